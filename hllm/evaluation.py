@@ -1,0 +1,106 @@
+"""Evaluation of rankers side by side: quality, agreement to the teacher, validity, latency.
+
+Latency is measured in one run, on the same requests, batch size 1, interleaved (request i is
+timed for every method before request i+1), so machine noise hits all methods alike:
+- `ar_teacher`: prompt -> greedy generation with the KV cache -> parse;
+- `bare_prefill`: the backbone's decoder stack over the same prompt, nothing else;
+- `single_pass`: prefill + head + decoder (Hungarian by default) -> permutation;
+- `tokenize`: building the prompt tensors (shared by all three, reported apart).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hllm.decoding import DECODERS, is_permutation, rank1_energy
+from hllm.metrics import agreement, ir_measure_names, ir_metrics, validity_rate
+from hllm.prompts import collate
+from hllm.records import ParseCounts, RerankRequest, TeacherRanking
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation."""
+
+    decoders: list[str] = field(default_factory=lambda: list(DECODERS))
+    main_decoder: str = "hungarian"
+    binary_rel: int = 2  # MRR / Recall count grade >= this as relevant
+    latency_requests: int = 20
+    latency_warmup: int = 3
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.decoders + [self.main_decoder]) - set(DECODERS))
+        if unknown:
+            raise ValueError(f"eval.decoders: unknown {unknown}; known: {sorted(DECODERS)}")
+
+
+def quality(requests: Sequence[RerankRequest], perms: Sequence[Sequence[int]], rel: int) -> dict[str, float]:
+    return ir_metrics(requests, perms, ir_measure_names(rel))
+
+
+def evaluate_teacher(requests: Sequence[RerankRequest], rankings: Sequence[TeacherRanking], rel: int) -> dict:
+    """Quality over every slate: unparseable answers score with the input order (counted apart)."""
+    counts = ParseCounts()
+    for r in rankings:
+        counts.add(r.counts)
+    perms = [r.permutation if r.permutation is not None else list(range(len(q.candidates)))
+             for q, r in zip(requests, rankings)]
+    return {**quality(requests, perms, rel), "validity": counts.validity, **{f"parse_{k}": v for k, v in counts.rates().items()},
+            "unparsed_scored_as_input_order": sum(r.permutation is None for r in rankings)}
+
+
+def evaluate_student(ranker, requests: Sequence[RerankRequest], teacher_perms: Sequence[list[int] | None],
+                     cfg: EvalConfig, batch_size: int = 32) -> dict[str, dict]:
+    """Scores once, then compares every decoder on the same matrices."""
+    matrices: list[np.ndarray] = []
+    for start in range(0, len(requests), batch_size):
+        matrices += ranker.score(list(requests[start: start + batch_size]))
+    out = {}
+    for name in cfg.decoders:
+        decoded = [DECODERS[name](m) for m in matrices]
+        perms = [d.permutation.tolist() for d in decoded]
+        out[name] = {
+            **quality(requests, perms, cfg.binary_rel),
+            **agreement(perms, teacher_perms),
+            "validity": validity_rate(perms, [len(r.candidates) for r in requests]),
+            "repaired": float(np.mean([d.repaired for d in decoded])),
+        }
+    energy = [rank1_energy(m) for m in matrices]
+    out["matrix"] = {"rank1_energy_mean": float(np.mean(energy)), "rank1_energy_p10": float(np.percentile(energy, 10))}
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def latency_profile(ranker, teacher, requests: Sequence[RerankRequest], cfg: EvalConfig) -> dict[str, dict[str, float]]:
+    """Per-request latency (ms, p50/p95) at batch size 1 for each method, measured interleaved."""
+    times: dict[str, list[float]] = {"tokenize": [], "bare_prefill": [], "single_pass": [], "ar_teacher": []}
+    reqs = list(requests)
+    for i, req in enumerate(reqs[: cfg.latency_warmup] + reqs[: cfg.latency_requests]):
+        t0 = time.perf_counter()
+        batch = {k: v.to(ranker.device) for k, v in
+                 collate([ranker.prompts.encode(req, with_answer=False)], ranker.tokenizer.pad_token_id).items()}
+        t_tok = time.perf_counter() - t0
+        t_pre = _timed(lambda: ranker.hidden_states(batch["input_ids"], batch["attention_mask"]))
+
+        def single_pass():
+            logits = ranker(**batch)[0].float().cpu().numpy()  # (N, K)
+            n = len(req.candidates)
+            assert is_permutation(DECODERS[cfg.main_decoder](logits[:n, :min(n, logits.shape[1])]).permutation, n)
+
+        t_single = _timed(single_pass)
+        t_ar = _timed(lambda: teacher.rank([req]))
+        if i >= cfg.latency_warmup:
+            for key, t in zip(times, (t_tok, t_pre, t_single, t_ar)):
+                times[key].append(1000 * t)
+    return {k: {"p50_ms": float(np.median(v)), "p95_ms": float(np.percentile(v, 95))} for k, v in times.items()}

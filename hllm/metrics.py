@@ -1,0 +1,81 @@
+"""Ranking metrics. IR metrics go through `ir_measures` (pytrec_eval, i.e. trec_eval's own code):
+
+- nDCG@k exactly as trec_eval's `ndcg_cut`: gain = grade, log2 discount, and judged documents
+  outside the slate count in the ideal DCG (they are in the qrels, not in the run);
+- MRR and Recall@k with a binary relevance threshold (TREC DL uses grade >= 2).
+Runs are written with strictly decreasing scores (N - rank), so trec_eval's tie-breaking by
+document id never reorders them.
+
+Agreement to the teacher (Kendall tau over item positions, top-1 agreement) and validity are
+computed here; Kendall tau comes from scipy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ir_measures
+import numpy as np
+from scipy.stats import kendalltau
+
+from hllm.records import RerankRequest
+
+
+def ir_measure_names(rel: int = 1, depths: Sequence[int] = (1, 5, 10)) -> list[str]:
+    return [*(f"nDCG@{k}" for k in depths), f"RR(rel={rel})@10", f"R(rel={rel})@10"]
+
+
+def _qrels_and_run(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]]):
+    if len(requests) != len(permutations):
+        raise ValueError(f"{len(requests)} requests but {len(permutations)} permutations")
+    qrels, run = [], []
+    for req, perm in zip(requests, permutations):
+        for docid, grade in req.qrels().items():
+            qrels.append(ir_measures.Qrel(req.slate_id, docid, int(grade)))
+        n = len(perm)
+        for rank, idx in enumerate(perm):
+            run.append(ir_measures.ScoredDoc(req.slate_id, req.candidates[int(idx)].docid, float(n - rank)))
+    return qrels, run
+
+
+def ir_metrics(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],
+               measures: Sequence[str] | None = None) -> dict[str, float]:
+    """Mean over judged queries, like trec_eval without -c. Keys are the measure strings."""
+    measures = list(measures or ir_measure_names())
+    qrels, run = _qrels_and_run(requests, permutations)
+    parsed = [ir_measures.parse_measure(m) for m in measures]
+    agg = ir_measures.calc_aggregate(parsed, qrels, run)
+    return {m: float(agg[p]) for m, p in zip(measures, parsed)}
+
+
+def ir_metrics_per_query(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],
+                         measure: str = "nDCG@10") -> dict[str, float]:
+    qrels, run = _qrels_and_run(requests, permutations)
+    parsed = ir_measures.parse_measure(measure)
+    return {m.query_id: float(m.value) for m in ir_measures.iter_calc([parsed], qrels, run)}
+
+
+def kendall_tau(perm: Sequence[int], reference: Sequence[int]) -> float:
+    """Kendall tau-b between two rankings of the same items (1.0 = identical order)."""
+    n = len(reference)
+    pos_a, pos_b = np.empty(n), np.empty(n)
+    pos_a[np.asarray(perm, dtype=int)] = np.arange(n)
+    pos_b[np.asarray(reference, dtype=int)] = np.arange(n)
+    return float(kendalltau(pos_a, pos_b).statistic)
+
+
+def agreement(perms: Sequence[Sequence[int] | None], references: Sequence[Sequence[int] | None]) -> dict[str, float]:
+    """Mean Kendall tau and top-1 agreement over the pairs where both rankings exist."""
+    pairs = [(p, r) for p, r in zip(perms, references) if p is not None and r is not None]
+    if not pairs:
+        return {"kendall_tau": float("nan"), "top1_agreement": float("nan"), "pairs": 0}
+    return {
+        "kendall_tau": float(np.mean([kendall_tau(p, r) for p, r in pairs])),
+        "top1_agreement": float(np.mean([int(p[0]) == int(r[0]) for p, r in pairs])),
+        "pairs": len(pairs),
+    }
+
+
+def validity_rate(perms: Sequence[Sequence[int] | None], sizes: Sequence[int]) -> float:
+    ok = sum(p is not None and sorted(int(i) for i in p) == list(range(n)) for p, n in zip(perms, sizes))
+    return ok / max(len(sizes), 1)

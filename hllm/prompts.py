@@ -1,0 +1,151 @@
+"""The RankGPT / RankZephyr listwise prompt, tokenised piece by piece.
+
+The prompt is built from token segments rather than one string, so that (1) every candidate
+gets its own token budget and the whole prompt fits the model's context, with room left for
+the teacher's answer, and (2) we know the index of the last token of every candidate: where the
+single-pass head reads the hidden state. The chat template is used when the tokenizer has one
+(the user turn is framed around a sentinel, so its tokens are exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jinja2
+import torch
+
+from hllm.records import RerankRequest
+
+SYSTEM = ("You are RankLLM, an intelligent assistant that can rank passages based on their "
+          "relevancy to the query.")
+PREFIX = ("I will provide you with {num} passages, each indicated by a numerical identifier []. "
+          "Rank the passages based on their relevance to the search query: {query}.\n")
+SUFFIX = ("Search Query: {query}.\nRank the {num} passages above based on their relevance to the "
+          "search query. All the passages should be included and listed using identifiers, in "
+          "descending order of relevance. The output format should be [] > [], e.g., [2] > [1], "
+          "Only respond with the ranking results, do not say any word or explain.")
+_SENTINEL = "\u2063HLLM_USER_TURN\u2063"
+
+
+def template_text() -> str:
+    """All fixed words of the prompt (the tiny tokenizer's vocabulary includes them)."""
+    return " ".join([SYSTEM, PREFIX, SUFFIX, "Answer system user assistant"])
+
+
+@dataclass
+class PromptConfig:
+    """How slates become prompts."""
+
+    max_doc_tokens: int = 96  # per-candidate cap, before the context budget is applied
+    max_query_tokens: int = 48
+    use_chat_template: bool = True  # when the tokenizer has one
+
+    def __post_init__(self) -> None:
+        if self.max_doc_tokens < 1 or self.max_query_tokens < 1:
+            raise ValueError("prompt.max_doc_tokens and prompt.max_query_tokens must be >= 1")
+
+
+@dataclass
+class EncodedPrompt:
+    input_ids: list[int]
+    item_positions: list[int]  # (N,) index of the last token of each candidate
+    doc_tokens_truncated: int = 0  # candidates cut to the budget
+    query_truncated: bool = False
+
+
+class PromptTooLong(ValueError):
+    """The slate cannot fit the context even at one token per candidate."""
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_frame(tokenizer, use_chat_template: bool) -> tuple[str, str]:
+    """(text before the user turn's content, text after it up to the assistant's answer)."""
+    if not (use_chat_template and getattr(tokenizer, "chat_template", None)):
+        return "", "\nAnswer:"
+    user = {"role": "user", "content": _SENTINEL}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, user],
+                                             tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError:  # templates that reject a system turn
+        text = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+    before, after = text.split(_SENTINEL)
+    return before, after
+
+
+def answer_reserve(tokenizer, n: int) -> int:
+    """Tokens the teacher's full answer `[1] > [2] > ... > [n]` needs, plus end-of-sequence."""
+    return len(_ids(tokenizer, " > ".join(f"[{i}]" for i in range(1, n + 1)))) + 2
+
+
+class PromptBuilder:
+    """Encodes slates for one tokenizer; the fixed parts are tokenised once."""
+
+    def __init__(self, tokenizer, cfg: PromptConfig, context_length: int):
+        self.tokenizer, self.cfg, self.context_length = tokenizer, cfg, context_length
+        before, after = chat_frame(tokenizer, cfg.use_chat_template)
+        self._before, self._after = _ids(tokenizer, before), _ids(tokenizer, after)
+        self._newline = _ids(tokenizer, "\n")
+        self._id_tokens: dict[int, list[int]] = {}
+
+    def id_tokens(self, i: int) -> list[int]:
+        if i not in self._id_tokens:
+            self._id_tokens[i] = _ids(self.tokenizer, f"[{i}]")
+        return self._id_tokens[i]
+
+    def doc_budget(self, n: int, fixed: int, with_answer: bool) -> int:
+        reserve = answer_reserve(self.tokenizer, n) if with_answer else 0
+        per_item = (self.context_length - fixed - reserve) // n - len(self.id_tokens(n)) - len(self._newline)
+        if per_item < 1:
+            raise PromptTooLong(
+                f"{n} candidates do not fit a context of {self.context_length} tokens "
+                f"({fixed} fixed prompt tokens, {reserve} reserved for the answer); use fewer "
+                f"candidates per window")
+        return min(self.cfg.max_doc_tokens, per_item)
+
+    def encode(self, request: RerankRequest, with_answer: bool = True) -> EncodedPrompt:
+        """`with_answer` reserves room for the teacher's generated ranking."""
+        n = len(request.candidates)
+        if n == 0:
+            raise ValueError(f"slate {request.slate_id!r} has no candidates")
+        query_ids = _ids(self.tokenizer, request.query.text)
+        query_truncated = len(query_ids) > self.cfg.max_query_tokens
+        query = self.tokenizer.decode(query_ids[: self.cfg.max_query_tokens]) if query_truncated else request.query.text
+        head = self._before + _ids(self.tokenizer, PREFIX.format(num=n, query=query))
+        tail = _ids(self.tokenizer, SUFFIX.format(num=n, query=query)) + self._after
+        budget = self.doc_budget(n, len(head) + len(tail), with_answer)
+        texts = [" " + (f"{c.title}: {c.text}" if c.title else c.text) for c in request.candidates]
+        docs = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids, positions, cut = list(head), [], 0
+        for i, doc in enumerate(docs, start=1):
+            cut += len(doc) > budget
+            ids += self.id_tokens(i) + doc[:budget]
+            positions.append(len(ids) - 1)
+            ids += self._newline
+        return EncodedPrompt(ids + tail, positions, cut, query_truncated)
+
+
+def collate(prompts: list[EncodedPrompt], pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
+    """Pads token and item dimensions. Left padding (for generation) shifts item positions.
+
+    Returns input_ids (B, T), attention_mask (B, T), item_positions (B, N), item_mask (B, N);
+    padded items point at token 0 and are masked out.
+    """
+    t_max = max(len(p.input_ids) for p in prompts)
+    n_max = max(len(p.item_positions) for p in prompts)
+    b = len(prompts)
+    input_ids = torch.full((b, t_max), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((b, t_max), dtype=torch.long)  # (B, T)
+    item_positions = torch.zeros((b, n_max), dtype=torch.long)  # (B, N)
+    item_mask = torch.zeros((b, n_max), dtype=torch.bool)  # (B, N)
+    for row, p in enumerate(prompts):
+        t, n = len(p.input_ids), len(p.item_positions)
+        offset = t_max - t if padding_side == "left" else 0
+        input_ids[row, offset: offset + t] = torch.tensor(p.input_ids)
+        attention_mask[row, offset: offset + t] = 1
+        item_positions[row, :n] = torch.tensor(p.item_positions) + offset
+        item_mask[row, :n] = True
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "item_positions": item_positions, "item_mask": item_mask}

@@ -1,0 +1,154 @@
+"""The single-pass ranker: backbone (+ LoRA) prefill -> item hidden states -> head -> N x K matrix.
+
+One forward pass of the backbone's decoder body (no LM head, no generation) per batch of slates;
+the head reads the hidden state at the last token of every candidate. Saved as a directory:
+
+    hllm_ranker.json     model / adapt / head / prompt configs (the base-model reference)
+    adapter/             peft LoRA adapter (safetensors), when adapt.mode == "lora"
+    backbone/            full backbone weights (safetensors), when adapt.mode == "full"
+    base/                a copy of an `hf` base model, when saved with bundle_base=True
+    head.safetensors     head weights
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from hllm.config import from_dict, to_dict
+from hllm.decoding import DECODERS, Decoded
+from hllm.heads import HeadConfig, build_head
+from hllm.models import ModelConfig, load_backbone, save_backbone
+from hllm.prompts import PromptBuilder, PromptConfig, collate
+from hllm.records import RerankRequest
+
+CONFIG_FILE = "hllm_ranker.json"
+
+
+@dataclass
+class AdaptConfig:
+    """How the backbone is adapted: frozen, LoRA, or full fine-tuning."""
+
+    mode: Literal["lora", "frozen", "full"] = "lora"
+    lora_r: int = 64
+    lora_alpha: int = 128
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    def __post_init__(self) -> None:
+        if self.mode == "lora" and self.lora_r < 1:
+            raise ValueError("adapt.lora_r must be >= 1")
+
+
+@dataclass
+class RankerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+
+
+def adapt_backbone(model: nn.Module, cfg: AdaptConfig) -> nn.Module:
+    if cfg.mode == "lora":
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_targets), bias="none")
+        return get_peft_model(model, lora)
+    model.requires_grad_(cfg.mode == "full")
+    return model
+
+
+def _causal_lm(backbone: nn.Module) -> nn.Module:
+    return backbone.get_base_model() if isinstance(backbone, PeftModel) else backbone
+
+
+class SinglePassRanker(nn.Module):
+    def __init__(self, backbone: nn.Module, tokenizer, cfg: RankerConfig):
+        super().__init__()
+        self.backbone, self.tokenizer, self.cfg = backbone, tokenizer, cfg
+        lm = _causal_lm(backbone)
+        self.body = lm.get_decoder()  # decoder stack; LoRA layers are injected in place
+        self.head = build_head(lm.config.hidden_size, cfg.head).to(next(lm.parameters()).dtype)
+        self.prompts = PromptBuilder(tokenizer, cfg.prompt, cfg.model.context_length)
+
+    @classmethod
+    def build(cls, cfg: RankerConfig) -> "SinglePassRanker":
+        model, tokenizer = load_backbone(cfg.model)
+        return cls(adapt_backbone(model, cfg.adapt), tokenizer, cfg)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.head.parameters()).device
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The bare prefill: (B, T) -> (B, T, D), no LM head."""
+        return self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
+                item_mask: torch.Tensor) -> torch.Tensor:
+        h = self.hidden_states(input_ids, attention_mask)  # (B, T, D)
+        idx = item_positions[:, :, None].expand(-1, -1, h.shape[-1])  # (B, N, D)
+        items = h.gather(1, idx).to(next(self.head.parameters()).dtype)  # (B, N, D)
+        return self.head(items, item_mask)  # (B, N, K)
+
+    def encode(self, requests: list[RerankRequest]) -> dict[str, torch.Tensor]:
+        batch = collate([self.prompts.encode(r, with_answer=False) for r in requests], self.tokenizer.pad_token_id)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    @torch.no_grad()
+    def score(self, requests: list[RerankRequest]) -> list[np.ndarray]:
+        """One forward pass for all requests -> per request an (n, min(K, n)) float32 matrix."""
+        batch = self.encode(requests)
+        logits = self(**batch).float().cpu().numpy()  # (B, N, K)
+        out = []
+        for row, req in enumerate(requests):
+            n = len(req.candidates)
+            out.append(logits[row, :n, : min(n, logits.shape[2])])
+        return out
+
+    def rank(self, requests: list[RerankRequest], decoder: str = "hungarian") -> list[Decoded]:
+        return [DECODERS[decoder](m) for m in self.score(requests)]
+
+    # ---- persistence ---------------------------------------------------------------------
+    def save(self, directory: str | Path, bundle_base: bool = False) -> None:
+        """`bundle_base` copies an `hf` base model into the directory, making it self-contained."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        cfg = to_dict(self.cfg)
+        if bundle_base and self.cfg.model.preset == "hf":
+            shutil.copytree(self.cfg.model.path, directory / "base", dirs_exist_ok=True)
+            cfg["model"]["path"] = "base"
+        if self.cfg.adapt.mode == "lora":
+            self.backbone.save_pretrained(directory / "adapter", safe_serialization=True)
+        elif self.cfg.adapt.mode == "full":
+            save_backbone(self.backbone, self.tokenizer, directory / "backbone")
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, directory / "head.safetensors")
+        (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path, dtype: str | None = None) -> "SinglePassRanker":
+        directory = Path(directory)
+        cfg = from_dict(RankerConfig, json.loads((directory / CONFIG_FILE).read_text()))
+        model_cfg = cfg.model
+        if model_cfg.path and not Path(model_cfg.path).is_absolute() and (directory / model_cfg.path).exists():
+            model_cfg = dataclasses.replace(model_cfg, path=str(directory / model_cfg.path))
+        if cfg.adapt.mode == "full":
+            model_cfg = dataclasses.replace(model_cfg, preset="hf", path=str(directory / "backbone"))
+        if dtype:
+            model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
+        model, tokenizer = load_backbone(model_cfg)
+        if cfg.adapt.mode == "lora":
+            model = PeftModel.from_pretrained(model, directory / "adapter")
+        ranker = cls(model, tokenizer, dataclasses.replace(cfg, model=model_cfg))
+        ranker.head.load_state_dict(load_file(directory / "head.safetensors"))
+        return ranker.eval()

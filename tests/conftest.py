@@ -1,0 +1,48 @@
+"""Shared fixtures: one tiny backbone per session (deep-copied per test), seeds reset per test."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hllm.models import ModelConfig, load_backbone
+from hllm.synthetic import SyntheticConfig, generate
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TINY = ModelConfig(hidden_size=32, layers=2, heads=2, intermediate_size=64, context_length=512)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def _tiny_backbone():
+    return load_backbone(TINY)
+
+
+@pytest.fixture
+def tiny_backbone(_tiny_backbone):
+    model, tokenizer = _tiny_backbone
+    return copy.deepcopy(model), tokenizer
+
+
+@pytest.fixture(scope="session")
+def small_splits():
+    splits, _ = generate(SyntheticConfig(catalogue_size=400, slate_size=8, train_slates=24, val_slates=4, test_slates=8))
+    return splits
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"{SHARED_DATA} is absent")
+    return SHARED_DATA

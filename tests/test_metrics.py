@@ -1,0 +1,54 @@
+import math
+
+import pytest
+
+from hllm.metrics import agreement, ir_metrics, kendall_tau, validity_rate
+from hllm.readers import read_beir
+from hllm.records import Candidate, Query, RerankRequest
+
+
+def slate(grades, extra=None):
+    cands = [Candidate(f"d{i}", f"text {i}") for i in range(len(grades))]
+    return RerankRequest(Query("q1", "query"), cands, list(grades), dict(extra or {}))
+
+
+def dcg(gains):
+    return sum(g / math.log2(i + 2) for i, g in enumerate(gains))
+
+
+def test_ndcg_by_hand():
+    req = slate([0, 3, 1, 2])
+    perm = [0, 1, 2, 3]  # gains 0, 3, 1, 2
+    expected = dcg([0, 3, 1, 2]) / dcg([3, 2, 1, 0])
+    assert ir_metrics([req], [perm], ["nDCG@10"])["nDCG@10"] == pytest.approx(expected)
+    assert ir_metrics([req], [[1, 3, 2, 0]], ["nDCG@10"])["nDCG@10"] == pytest.approx(1.0)
+
+
+def test_judged_documents_outside_the_slate_count_in_the_ideal():
+    req = slate([0, 2], extra={"unretrieved": 3})
+    expected = dcg([2, 0]) / dcg([3, 2])
+    assert ir_metrics([req], [[1, 0]], ["nDCG@10"])["nDCG@10"] == pytest.approx(expected)
+
+
+def test_mrr_and_recall_with_threshold():
+    req = slate([1, 0, 2, 2])
+    out = ir_metrics([req], [[0, 1, 2, 3]], ["RR(rel=2)@10", "R(rel=2)@2", "RR(rel=1)@10"])
+    assert out["RR(rel=2)@10"] == pytest.approx(1 / 3)
+    assert out["R(rel=2)@2"] == pytest.approx(0.0)
+    assert out["RR(rel=1)@10"] == pytest.approx(1.0)
+
+
+def test_agreement_and_validity():
+    assert kendall_tau([0, 1, 2, 3], [0, 1, 2, 3]) == pytest.approx(1.0)
+    assert kendall_tau([3, 2, 1, 0], [0, 1, 2, 3]) == pytest.approx(-1.0)
+    out = agreement([[0, 1, 2], [2, 1, 0], None], [[0, 2, 1], [0, 1, 2], [0, 1, 2]])
+    assert out["pairs"] == 2 and out["top1_agreement"] == pytest.approx(0.5)
+    assert validity_rate([[0, 1], [1, 1], None], [2, 2, 2]) == pytest.approx(1 / 3)
+
+
+@pytest.mark.data
+def test_bm25_on_trec_dl19_matches_published(shared_data):
+    slates = read_beir(shared_data / "trec-dl19-passage-bm25top100", top_n=100)
+    assert len(slates) == 43
+    perms = [list(range(len(s.candidates))) for s in slates]
+    assert ir_metrics(slates, perms, ["nDCG@10"])["nDCG@10"] == pytest.approx(0.5058, abs=5e-5)

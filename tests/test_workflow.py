@@ -1,0 +1,31 @@
+"""The single-process job end to end on a tiny config (seconds)."""
+
+import json
+
+from hllm.config import load_config
+from hllm.workflow import JobConfig, run, summary_lines
+
+TINY_JOB = [
+    "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=16",
+    "data.synthetic.val_slates=2", "data.synthetic.test_slates=6",
+    "teacher.model.hidden_size=32", "teacher.model.layers=1", "teacher.model.heads=2",
+    "teacher.model.intermediate_size=64", "teacher.model.context_length=256",
+    "teacher.bootstrap_cfg.train.steps=3", "teacher.bootstrap_cfg.train.batch_size=4",
+    "student.ranker.head.positions=6", "student.ranker.head.width=32", "student.ranker.adapt.lora_r=2",
+    "student.train.steps=3", "student.train.batch_size=4", "eval.latency_requests=2", "eval.latency_warmup=1",
+]
+
+
+def test_job_runs_and_resumes(tmp_path):
+    cfg = load_config(JobConfig, None, TINY_JOB + [f"output_dir={tmp_path}"])
+    report = run(cfg)
+    assert 0 <= report["teacher"]["nDCG@10"] <= 1 and 0 <= report["student"]["hungarian"]["nDCG@10"] <= 1
+    assert report["student"]["hungarian"]["validity"] == 1.0
+    assert set(report["latency"]) == {"tokenize", "bare_prefill", "single_pass", "ar_teacher"}
+    assert len(summary_lines(report, "hungarian")) == 5
+    assert (tmp_path / "report.json").exists() and (tmp_path / "student" / "head.safetensors").exists()
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")}
+    assert len(stamps) == 4  # teacher, train rankings, test rankings, student
+    run(cfg)  # same config: every stage is reused, none redone
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")} == stamps
+    assert json.loads((tmp_path / "teacher" / "stage.json").read_text())["steps"] == 3
