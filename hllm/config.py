@@ -9,6 +9,7 @@ Configs cross the Ray driver -> worker boundary as plain dicts (`to_dict` / `fro
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 import yaml
 
 T = TypeVar("T")
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 
 class ConfigError(ValueError):
@@ -35,7 +37,10 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, _, raw = item.partition("=")
         if not key.strip():
             raise ConfigError(f"override {item!r} has an empty key")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        if isinstance(value, str) and _FLOAT.match(value):  # YAML 1.1 reads "3e-3" as a string
+            value = float(value)
+        out[key.strip()] = value
     return out
 
 

@@ -29,7 +29,7 @@ from hllm.config import from_dict, to_dict
 from hllm.decoding import DECODERS, Decoded
 from hllm.heads import HeadConfig, build_head
 from hllm.models import ModelConfig, load_backbone, save_backbone
-from hllm.prompts import PromptBuilder, PromptConfig, collate
+from hllm.prompts import EncodedPrompt, PromptBuilder, PromptConfig, collate
 from hllm.records import RerankRequest
 
 CONFIG_FILE = "hllm_ranker.json"
@@ -106,15 +106,19 @@ class SinglePassRanker(nn.Module):
         return {k: v.to(self.device) for k, v in batch.items()}
 
     @torch.no_grad()
-    def score(self, requests: list[RerankRequest]) -> list[np.ndarray]:
-        """One forward pass for all requests -> per request an (n, min(K, n)) float32 matrix."""
-        batch = self.encode(requests)
+    def score_prompts(self, prompts: list[EncodedPrompt]) -> list[np.ndarray]:
+        """One forward pass for already-encoded prompts -> per prompt an (n, min(K, n)) matrix."""
+        batch = {k: v.to(self.device) for k, v in collate(prompts, self.tokenizer.pad_token_id).items()}
         logits = self(**batch).float().cpu().numpy()  # (B, N, K)
         out = []
-        for row, req in enumerate(requests):
-            n = len(req.candidates)
+        for row, prompt in enumerate(prompts):
+            n = len(prompt.item_positions)
             out.append(logits[row, :n, : min(n, logits.shape[2])])
         return out
+
+    def score(self, requests: list[RerankRequest]) -> list[np.ndarray]:
+        """One forward pass for all requests -> per request an (n, min(K, n)) float32 matrix."""
+        return self.score_prompts([self.prompts.encode(r, with_answer=False) for r in requests])
 
     def rank(self, requests: list[RerankRequest], decoder: str = "hungarian") -> list[Decoded]:
         return [DECODERS[decoder](m) for m in self.score(requests)]

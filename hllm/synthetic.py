@@ -1,9 +1,9 @@
 """The embedded default data set: product search over a generated catalogue.
 
-Deterministic from a seed; nothing is downloaded. Each item has a category, brand, colour,
-material, size and price band; its title reads like a shop listing. A query names a category
-(sometimes through a synonym, which a lexical retriever cannot match) and one to three of the
-other attributes. Graded relevance:
+Deterministic from a seed; nothing is downloaded. Each item has a category, brand, colour and
+material; its title reads like a shop listing ("kairo grey denim shirt pairs with boots"). A query
+names a category (sometimes through a synonym, which a lexical retriever cannot match) and one
+to three of the other attributes. Graded relevance:
 
     0  wrong category (however many words it shares: the distractors)
     1  right category, fewer than half of the named attributes
@@ -34,11 +34,9 @@ BRANDS = ["acme", "zenith", "nordic", "urbano", "kairo", "lumen", "vista", "orio
           "pioneer", "sable", "tundra", "harbor"]
 COLOURS = ["red", "blue", "green", "black", "white", "grey", "yellow", "brown", "pink", "orange"]
 MATERIALS = ["leather", "cotton", "wool", "canvas", "steel", "ceramic", "denim", "linen"]
-SIZES = ["small", "medium", "large"]
-PRICES = ["budget", "standard", "premium"]
-ATTRIBUTES = ("brand", "colour", "material", "size", "price")
+ATTRIBUTES = ("brand", "colour", "material")
 VOCABULARY = sorted({*CATEGORIES, *(s for syn in CATEGORIES.values() for s in syn), *BRANDS, *COLOURS,
-                     *MATERIALS, *SIZES, *PRICES, "by", "size", "price", "pairs", "with", ","})
+                     *MATERIALS, "by", "pairs", "with"})
 
 
 @dataclass
@@ -53,8 +51,8 @@ class SyntheticConfig:
     test_slates: int = 300
     synonym_rate: float = 0.35  # share of queries naming the category by a synonym
     pairs_with_rate: float = 0.5  # share of titles naming another category ("pairs with boots")
-    min_attributes: int = 2  # attributes a query names, min..max
-    max_attributes: int = 4
+    min_attributes: int = 1  # attributes a query names (of brand, colour, material), min..max
+    max_attributes: int = 3
 
     def __post_init__(self) -> None:
         if self.slate_size < 2:
@@ -72,14 +70,12 @@ class Item:
     brand: str
     colour: str
     material: str
-    size: str
-    price: str
     pairs_with: str | None = None  # another category named in the title: a lexical distractor
 
     @property
     def title(self) -> str:
         extra = f" pairs with {self.pairs_with}" if self.pairs_with else ""
-        return f"{self.brand} {self.colour} {self.material} {self.category} size {self.size} {self.price} price{extra}"
+        return f"{self.brand} {self.colour} {self.material} {self.category}{extra}"
 
 
 @dataclass
@@ -95,10 +91,6 @@ class ProductQuery:
         words.append(self.category_word)
         if "brand" in self.wanted:
             words += ["by", self.wanted["brand"]]
-        if "size" in self.wanted:
-            words += ["size", self.wanted["size"]]
-        if "price" in self.wanted:
-            words += [self.wanted["price"], "price"]
         return " ".join(words)
 
 
@@ -123,8 +115,7 @@ def make_catalogue(cfg: SyntheticConfig, rng: random.Random) -> list[Item]:
     for i in range(cfg.catalogue_size):
         cat = rng.choice(cats)
         other = rng.choice([c for c in cats if c != cat]) if rng.random() < cfg.pairs_with_rate else None
-        items.append(Item(f"p{i:05d}", cat, rng.choice(BRANDS), rng.choice(COLOURS), rng.choice(MATERIALS),
-                          rng.choice(SIZES), rng.choice(PRICES), other))
+        items.append(Item(f"p{i:05d}", cat, rng.choice(BRANDS), rng.choice(COLOURS), rng.choice(MATERIALS), other))
     return items
 
 

@@ -8,6 +8,7 @@ The text is parsed by `hllm.parsing` with its counts; `repair` is the caller's c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from hllm.parsing import parse_ranking
 from hllm.prompts import PromptBuilder, PromptConfig, answer_reserve, collate
 from hllm.records import RerankRequest, TeacherRanking
+from hllm.windows import rank_with_windows
 
 SEPARATOR = " > "
 
@@ -29,6 +31,12 @@ class TeacherConfig:
     constrained: bool = False  # only valid continuations at each step
     repair: bool = False  # turn flawed answers into permutations (missing ids appended)
     max_new_tokens: int | None = None  # default: the full answer's length + 2
+    window: int | None = None  # slates longer than this are ranked in sliding windows
+    stride: int = 10
+
+    def __post_init__(self) -> None:
+        if self.window is not None and not (2 <= self.window and 1 <= self.stride <= self.window):
+            raise ValueError("teacher generation: need window >= 2 and 1 <= stride <= window")
 
 
 class AnswerGrammar:
@@ -90,6 +98,11 @@ class ARTeacher:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def with_config(self, **changes) -> "ARTeacher":
+        """The same model under other generation settings (e.g. free vs constrained)."""
+        return ARTeacher(self.model, self.tokenizer, self.prompts.cfg, self.prompts.context_length,
+                         dataclasses.replace(self.cfg, **changes))
+
     @torch.no_grad()
     def generate(self, requests: list[RerankRequest]) -> list[tuple[str, int, int]]:
         """One batch -> [(answer text, prompt tokens, output tokens)]."""
@@ -117,6 +130,12 @@ class ARTeacher:
         return results
 
     def rank(self, requests: list[RerankRequest]) -> list[TeacherRanking]:
+        """Slates longer than `window` go through RankGPT sliding windows; the rest in one prompt."""
+        if self.cfg.window and any(len(r.candidates) > self.cfg.window for r in requests):
+            return rank_with_windows(self.rank_direct, requests, self.cfg.window, self.cfg.stride)
+        return self.rank_direct(requests)
+
+    def rank_direct(self, requests: list[RerankRequest]) -> list[TeacherRanking]:
         rankings = []
         for start in range(0, len(requests), self.cfg.batch_size):
             chunk = requests[start: start + self.cfg.batch_size]

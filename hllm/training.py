@@ -12,6 +12,7 @@ token keep plain cross-entropy. From then on it is used exactly like a real teac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -172,11 +173,19 @@ class BootstrapConfig:
     # curriculum by multi-tasking: also predict each candidate's grade ("0".."3") at its last
     # token through the LM head, so relevance is learned alongside (not after) the format
     grade_weight: float = 1.0
+    # and each candidate's own identifier at its last token (restricted to identifier tokens):
+    # the copy the answer needs ("the best item is ... [7]") then starts from the right state
+    id_weight: float = 1.0
+    # curriculum by slate size: the first `small_steps` steps see random sub-slates of
+    # `small_size` candidates (short, cheap sequences where matching is learned fast)
+    small_steps: int = 0
+    small_size: int = 5
 
 
-def gold_permutation(grades: list[int | None]) -> list[int]:
-    """By grade, best first; equal grades keep input order."""
-    return sorted(range(len(grades)), key=lambda i: (-(grades[i] or 0), i))
+def gold_permutation(grades: list[int | None], rng: random.Random | None = None) -> list[int]:
+    """By grade, best first; equal grades keep input order, or a random order when `rng` is given."""
+    tie = [rng.random() for _ in grades] if rng else list(range(len(grades)))
+    return sorted(range(len(grades)), key=lambda i: (-(grades[i] or 0), tie[i]))
 
 
 @dataclass
@@ -188,13 +197,18 @@ class BootstrapExample:
     grades: list[int]
 
 
-def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], loss: str = "set") -> list[BootstrapExample]:
+def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], loss: str = "set",
+                       seed: int = 0) -> list[BootstrapExample]:
+    """Gold answers with ties in grade in a random order: with input order, the model learns the
+    shortcut "the next relevant item comes after the last one written", which breaks as soon as
+    its own first choice differs from the gold one."""
     tok = builder.tokenizer
+    rng = random.Random(seed)
     out = []
     for req in requests:
         if req.grades is None or any(g is None for g in req.grades):
             raise ValueError(f"slate {req.slate_id!r}: the teacher bootstrap needs a grade for every candidate")
-        perm = gold_permutation(req.grades)
+        perm = gold_permutation(req.grades, rng)
         answer = tok(format_ranking(perm), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         accept = [[t] for t in answer]
         if loss == "set":
@@ -217,8 +231,15 @@ def grade_token_ids(tokenizer, max_grade: int = 3) -> list[int]:
     return [i[0] for i in ids]
 
 
+def id_token_ids(tokenizer, n: int) -> list[int]:
+    ids = [tokenizer(f"[{i}]", add_special_tokens=False)["input_ids"] for i in range(1, n + 1)]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError("the identifier auxiliary loss needs single-token identifiers; set id_weight=0")
+    return [i[0] for i in ids]
+
+
 def bootstrap_loss(model, chunk: list[BootstrapExample], pad_id: int, device, grade_tokens: list[int] | None = None,
-                   grade_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+                   grade_weight: float = 0.0, id_tokens: list[int] | None = None, id_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """-log sum_{accepted tokens} p(token), averaged over answer tokens; prompt tokens carry no loss.
 
     With `grade_weight`, adds the CE of each candidate's grade, read at its last token and
@@ -243,25 +264,50 @@ def bootstrap_loss(model, chunk: list[BootstrapExample], pad_id: int, device, gr
     picked = log_p.gather(1, accept_t.clamp_min(0)).masked_fill(accept_t < 0, NEG)  # (P, A)
     answer_nll = -torch.logsumexp(picked, dim=1).mean()
     parts = {"answer_nll": float(answer_nll.detach())}
-    if not grade_weight:
-        return answer_nll, parts
+    total = answer_nll
+    if not (grade_weight or id_weight):
+        return total, parts
     rows = torch.tensor([r for r, e in enumerate(chunk) for _ in e.item_positions])
     cols = torch.tensor([p for e in chunk for p in e.item_positions])
-    target = torch.tensor([g for e in chunk for g in e.grades], device=device)  # (I,)
-    grade_logits = out.logits[rows, cols][:, grade_tokens].float()  # (I, G)
-    grade_ce = torch.nn.functional.cross_entropy(grade_logits, target)
-    parts["grade_ce"] = float(grade_ce.detach())
-    return answer_nll + grade_weight * grade_ce, parts
+    item_logits = out.logits[rows, cols].float()  # (I, V) at each candidate's last token
+    if grade_weight:
+        target = torch.tensor([g for e in chunk for g in e.grades], device=device)  # (I,)
+        grade_ce = torch.nn.functional.cross_entropy(item_logits[:, grade_tokens], target)
+        parts["grade_ce"] = float(grade_ce.detach())
+        total = total + grade_weight * grade_ce
+    if id_weight:
+        target = torch.tensor([i for e in chunk for i in range(len(e.item_positions))], device=device)  # (I,)
+        id_ce = torch.nn.functional.cross_entropy(item_logits[:, id_tokens[: max(len(e.item_positions) for e in chunk)]], target)
+        parts["id_ce"] = float(id_ce.detach())
+        total = total + id_weight * id_ce
+    return total, parts
+
+
+def sub_slates(requests: list[RerankRequest], size: int, seed: int) -> list[RerankRequest]:
+    """Each slate cut to `size` random candidates, in a random order (grades follow)."""
+    rng = random.Random(seed)
+    out = []
+    for req in requests:
+        keep = rng.sample(range(len(req.candidates)), min(size, len(req.candidates)))
+        out.append(dataclasses.replace(req, candidates=[req.candidates[i] for i in keep],
+                                       grades=[req.grades[i] for i in keep] if req.grades else None))
+    return out
 
 
 def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankRequest], cfg: BootstrapConfig,
                       log: Callable[[int, dict], None] | None = None) -> list[dict]:
-    examples = bootstrap_examples(builder, requests, cfg.loss)
     model.train()
     device = next(model.parameters()).device
     pad = builder.tokenizer.pad_token_id
     grades = grade_token_ids(builder.tokenizer) if cfg.grade_weight else None
-    history = run_loop(lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight),
-                       [(list(model.parameters()), cfg.train.lr)], examples, cfg.train, log)
+    n_max = max(len(r.candidates) for r in requests)
+    ids = id_token_ids(builder.tokenizer, n_max) if cfg.id_weight else None
+    step_fn = lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight, ids, cfg.id_weight)  # noqa: E731
+    params = [(list(model.parameters()), cfg.train.lr)]
+    history = []
+    if cfg.small_steps:
+        small = bootstrap_examples(builder, sub_slates(requests, cfg.small_size, cfg.train.seed), cfg.loss, cfg.train.seed)
+        history = run_loop(step_fn, params, small, dataclasses.replace(cfg.train, steps=cfg.small_steps), log)
+    history += run_loop(step_fn, params, bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed), cfg.train, log)
     model.eval()
     return history

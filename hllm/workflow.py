@@ -146,6 +146,13 @@ def prepare_teacher(cfg: JobConfig, splits: dict[str, list[RerankRequest]], devi
     return saved
 
 
+def generation_key(cfg: JobConfig, teacher_model: ModelConfig) -> str:
+    """Identifies a teacher's rankings: data, prompt, teacher weights and decoding settings."""
+    marker = Path(cfg.output_dir) / "teacher" / "stage.json"
+    weights = marker.read_text() if cfg.teacher.bootstrap and marker.exists() else ""
+    return fingerprint(cfg.data, cfg.prompt, teacher_model, cfg.teacher.generation, weights)
+
+
 def load_teacher(model_cfg: ModelConfig, cfg: JobConfig, device: torch.device) -> ARTeacher:
     model, tokenizer = load_backbone(model_cfg)
     tokenizer.padding_side = "left"
@@ -223,6 +230,10 @@ def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: 
     report = {
         "first_stage": quality(test, [list(range(len(r.candidates))) for r in test], cfg.eval.binary_rel),
         "teacher": evaluate_teacher(test, test_rankings, cfg.eval.binary_rel),
+        "teacher_decoding": "constrained" if teacher.cfg.constrained else "free",
+        # validity is only informative without the grammar: measure free decoding too
+        "teacher_free": (evaluate_teacher(test, teacher.with_config(constrained=False).rank(test), cfg.eval.binary_rel)
+                         if teacher.cfg.constrained else None),
         "student": evaluate_student(ranker, test, teacher_perms, cfg.eval),
         "latency": latency_profile(ranker, teacher, test, cfg.eval),
         "slate_size": max(len(r.candidates) for r in test),
@@ -237,7 +248,8 @@ def summary_lines(report: dict[str, Any], main_decoder: str) -> list[str]:
         f"nDCG@10   first stage {report['first_stage']['nDCG@10']:.4f} | teacher {t['nDCG@10']:.4f} | "
         f"student ({main_decoder}) {s['nDCG@10']:.4f}",
         f"student vs teacher: Kendall tau {s['kendall_tau']:.3f}, top-1 agreement {s['top1_agreement']:.3f}",
-        f"validity  teacher {t['validity']:.3f} (free text, before repair) | student {s['validity']:.3f}",
+        f"validity  teacher {(report['teacher_free'] or t)['validity']:.3f} (free decoding, before repair; "
+        f"{report['teacher_decoding']} decoding gives the rankings) | student {s['validity']:.3f}",
         f"latency p50 @ N={report['slate_size']}, batch 1: AR teacher {ar:.1f} ms | bare prefill {pre:.1f} ms | "
         f"single pass {single:.1f} ms  -> AR/single {ar / single:.1f}x (bound AR/prefill {ar / pre:.1f}x), "
         f"single/prefill {single / pre:.3f}",
@@ -259,9 +271,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     splits = load_splits(cfg.data)
     teacher_model = prepare_teacher(cfg, splits, device)
     teacher = load_teacher(teacher_model, cfg, device)
-    gen_key = fingerprint(cfg.data, cfg.prompt, teacher_model, cfg.teacher.generation,
-                          (out / "teacher" / "stage.json").read_text() if cfg.teacher.bootstrap else "")
-    train_rankings = teacher_rankings(teacher, splits["train"], out / "rankings" / "train.jsonl", gen_key)
+    gen_key = generation_key(cfg, teacher_model)
+    train_rankings = teacher_rankings(teacher, splits["train"], out / "rankings_local" / "train.jsonl", gen_key)
     test_rankings = teacher_rankings(teacher, splits["test"], out / "rankings_test" / "test.jsonl", gen_key)
     student_dir = train_student_stage(cfg, teacher_model, splits["train"], train_rankings, device)
     report = evaluate_stage(cfg, teacher, student_dir, splits["test"], test_rankings, device)

@@ -30,7 +30,8 @@ def test_bad_configs_name_the_key(override, match):
 
 
 def test_parse_overrides_types():
-    assert parse_overrides(["a=1", "b=0.5", "c=true", "d=null", "e=x"]) == {"a": 1, "b": 0.5, "c": True, "d": None, "e": "x"}
+    assert parse_overrides(["a=1", "b=0.5", "c=true", "d=null", "e=x", "f=3e-3"]) == {
+        "a": 1, "b": 0.5, "c": True, "d": None, "e": "x", "f": 0.003}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

@@ -1,0 +1,106 @@
+"""Latency against N: bare prefill, single pass (head + each decoder), FIRST-style single pass,
+and the AR teacher — same backbone, same requests, batch 1, measured interleaved in one run.
+
+    python benchmarks/latency.py [--run-dir runs/default] [--sizes 10 20 50 100] [--requests 10]
+
+Needs a finished job in `--run-dir` (teacher/model and student/). Prints Markdown tables, writes
+`reports/latency.md` and `reports/latency.png`. Figures, not a timed test; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hllm.baselines import first_style_scores
+from hllm.config import from_dict
+from hllm.decoding import DECODERS
+from hllm.prompts import collate
+from hllm.ranker import SinglePassRanker
+from hllm.synthetic import SyntheticConfig, generate
+from hllm.workflow import JobConfig, load_teacher
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", default="runs/default")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 20, 50, 100])
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    run = Path(args.run_dir)
+    cfg = from_dict(JobConfig, json.loads((run / "config.json").read_text()))
+    ranker = SinglePassRanker.load(run / "student").eval()
+    teacher_model = ranker.cfg.model  # the student's base is the teacher's weights
+    teacher = load_teacher(teacher_model, cfg, torch.device("cpu"))
+    rows = []
+    for n in args.sizes:
+        slates = generate(SyntheticConfig(slate_size=n, catalogue_size=max(3000, 40 * n), train_slates=1, val_slates=1,
+                                          test_slates=args.requests + 2, seed=1))[0]["test"]
+        t: dict[str, list[float]] = {k: [] for k in ["prefill", "head", "first_style", "ar_teacher", *DECODERS]}
+        for i, req in enumerate(slates):
+            batch = collate([ranker.prompts.encode(req, with_answer=False)], ranker.tokenizer.pad_token_id)
+            with torch.no_grad():
+                t_pre = timed(lambda: ranker.hidden_states(batch["input_ids"], batch["attention_mask"]))
+                holder = {}
+                t_full = timed(lambda: holder.setdefault("m", ranker(**batch)[0].float().numpy()))
+            matrix = holder["m"][:n, : min(n, holder["m"].shape[1])]
+            dec = {name: timed(lambda: fn(matrix)) for name, fn in DECODERS.items()}
+            t_first = timed(lambda: first_style_scores(teacher.model, teacher.prompts, [req]))
+            t_ar = timed(lambda: teacher.rank([req]))
+            if i >= 2:  # warm-up
+                for k, v in (("prefill", t_pre), ("head", t_full), ("first_style", t_first), ("ar_teacher", t_ar), *dec.items()):
+                    t[k].append(v)
+        med = {k: float(np.median(v)) for k, v in t.items()}
+        rows.append((n, med))
+        print(f"N={n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()), flush=True)
+    lines = ["| N | bare prefill | single pass (prefill+head+hungarian) | single / prefill | FIRST-style | AR teacher | "
+             "AR / single | bound AR / prefill | AR/single ÷ bound |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n, m in rows:
+        single = m["head"] + m["hungarian"]
+        lines.append(f"| {n} | {m['prefill']:.1f} | {single:.1f} | {single / m['prefill']:.3f} | {m['first_style']:.1f} | "
+                     f"{m['ar_teacher']:.0f} | {m['ar_teacher'] / single:.1f}x | {m['ar_teacher'] / m['prefill']:.1f}x | "
+                     f"{(m['ar_teacher'] / single) / (m['ar_teacher'] / m['prefill']):.3f} |")
+    lines += ["", "Decoder cost alone (ms, median):", "", "| N | " + " | ".join(DECODERS) + " |",
+              "| ---: |" + " ---: |" * len(DECODERS)]
+    lines += [f"| {n} | " + " | ".join(f"{m[d]:.3f}" for d in DECODERS) + " |" for n, m in rows]
+    text = "\n".join(lines)
+    print(text)
+    Path("reports").mkdir(exist_ok=True)
+    Path("reports/latency.md").write_text(f"# Latency against N (batch 1, {args.threads} threads, median of "
+                                          f"{args.requests} requests)\n\n{text}\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        sizes = [n for n, _ in rows]
+        plt.figure(figsize=(6, 4))
+        for key, label in (("ar_teacher", "AR teacher"), ("first_style", "FIRST-style"), ("prefill", "bare prefill")):
+            plt.plot(sizes, [m[key] for _, m in rows], marker="o", label=label)
+        plt.plot(sizes, [m["head"] + m["hungarian"] for _, m in rows], marker="o", label="single pass + Hungarian")
+        plt.xlabel("N candidates")
+        plt.ylabel("latency per request (ms)")
+        plt.yscale("log")
+        plt.legend()
+        plt.tight_layout()
+        plt.savefig("reports/latency.png", dpi=120)
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Teacher generation: throughput with 1 and 2 Ray Data actors, validity free vs constrained.
+
+    python benchmarks/teacher_gen.py [--config configs/default.yaml] [key=value ...] [--slates 256]
+
+Reuses the job's teacher (bootstrapped once into `output_dir/teacher`). Prints a table and writes
+`reports/teacher_gen.md`. Figures, not a timed test: run it on a quiet machine and read ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import tempfile
+from pathlib import Path
+
+from hllm.config import load_config
+from hllm.evaluation import evaluate_teacher
+from hllm.workflow import load_splits, load_teacher, prepare_teacher, resolve_device
+from pipelines import teacher_gen
+from pipelines.common import PipelineConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--slates", type=int, default=256, help="training slates to generate per actor setting")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    splits = load_splits(cfg.data)
+    teacher_model = prepare_teacher(cfg, splits, resolve_device(cfg.device))
+    slates = splits["train"][: args.slates]
+    rows = []
+    for actors in (1, 2):
+        run_cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, teacher_actors=actors))
+        with tempfile.TemporaryDirectory() as out:
+            stats = teacher_gen.generate(run_cfg, teacher_model, slates, Path(out))
+        rows.append((actors, stats["slates_per_s"], stats["output_tokens_per_s"], stats["seconds"]))
+    lines = ["| actors | slates/s | output tokens/s | seconds |", "| ---: | ---: | ---: | ---: |"]
+    lines += [f"| {a} | {s:.2f} | {t:.0f} | {sec:.1f} |" for a, s, t, sec in rows]
+    lines.append(f"\n2 actors / 1 actor: **{rows[1][1] / rows[0][1]:.2f}x** ({len(slates)} slates each)\n")
+    lines += ["| decoding | validity | nDCG@10 (test) | wrong format | repeated | missing |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for constrained in (False, True):
+        gen = dataclasses.replace(cfg.teacher.generation, constrained=constrained, repair=True)
+        teacher = load_teacher(teacher_model, dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, generation=gen)),
+                               resolve_device(cfg.device))
+        report = evaluate_teacher(splits["test"], teacher.rank(splits["test"]), cfg.eval.binary_rel)
+        lines.append(f"| {'constrained' if constrained else 'free'} | {report['validity']:.3f} | {report['nDCG@10']:.4f} | "
+                     f"{report['parse_wrong_format']:.3f} | {report['parse_repeated']:.3f} | {report['parse_missing']:.3f} |")
+    text = "\n".join(lines)
+    print(text)
+    Path("reports").mkdir(exist_ok=True)
+    Path("reports/teacher_gen.md").write_text("# Teacher generation\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

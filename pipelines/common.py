@@ -1,0 +1,128 @@
+"""Ray and MLflow glue shared by the pipelines: the pipeline config, Ray start-up, tracking."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hllm.config import flatten
+from hllm.workflow import JobConfig
+
+log = logging.getLogger("hllm.pipelines")
+
+
+@dataclass
+class ClusterConfig:
+    """Where and how wide the Ray stages run."""
+
+    address: str | None = None  # None: RAY_ADDRESS or a running cluster, else start a local one
+    local_cpus: int = 4  # logical CPUs of a local Ray (more than cores, so Data's I/O tasks never starve)
+    teacher_actors: int = 2
+    teacher_cpus_per_actor: float = 1.0
+    teacher_batch_slates: int = 32  # slates per map_batches batch (and per output shard)
+    train_workers: int = 2
+    train_cpus_per_worker: float = 1.0
+    use_gpu: bool | None = None  # None: use GPUs when the cluster has them
+    serve_port: int = 8000  # full.py's deployment (bound to 127.0.0.1)
+
+    def __post_init__(self) -> None:
+        if self.teacher_actors < 1 or self.train_workers < 1:
+            raise ValueError("cluster.teacher_actors and cluster.train_workers must be >= 1")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow: local sqlite by default, any tracking URI by config."""
+
+    tracking_uri: str | None = None  # None: sqlite:///<output_dir>/mlflow.db
+    experiment: str = "hllm"
+    run_name: str | None = None
+
+
+@dataclass
+class DistillConfig:
+    """Ray Train / DeepSpeed settings (the optimisation itself is `student.train`)."""
+
+    zero_stage: Literal[0, 1, 2] = 2  # ZeRO-3 would need a parameter gather before saving
+    checkpoint_every: int = 50
+    max_failures: int = 2
+
+
+@dataclass
+class PipelineConfig(JobConfig):
+    """The job config plus what the Ray stages need."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+def init_ray(cfg: ClusterConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:  # local: dashboard (and job server) on loopback only
+        ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, dashboard_host="127.0.0.1")
+
+
+def cluster_has_gpus(cfg: ClusterConfig) -> bool:
+    import ray
+
+    if cfg.use_gpu is not None:
+        return cfg.use_gpu
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def tracking_uri(cfg: PipelineConfig) -> str:
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    path = Path(cfg.output_dir).resolve() / "mlflow.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+@contextmanager
+def mlflow_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None, **tags: str):
+    """An MLflow run for a stage (nested under `parent_run_id` when given), params = the config."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    mlflow.set_experiment(cfg.tracking.experiment)
+    all_tags = {"hllm.stage": stage, "git_commit": git_commit(), **tags}
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    with mlflow.start_run(run_name=cfg.tracking.run_name or stage, tags=all_tags) as run:
+        params = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in flatten(cfg).items()}
+        items = list(params.items())
+        for start in range(0, len(items), 100):  # MLflow caps params per batch
+            mlflow.log_params(dict(items[start: start + 100]))
+        yield run
+
+
+def log_metrics(metrics: dict[str, Any], step: int | None = None, prefix: str = "") -> None:
+    import mlflow
+
+    clean = {}
+    for k, v in flatten(metrics).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:  # drop NaN
+            clean[(prefix + k).replace("@", "_at_").replace("(", "_").replace(")", "").replace("=", "")] = float(v)
+    mlflow.log_metrics(clean, step=step)

@@ -1,0 +1,180 @@
+"""Ray Serve reranking API: one prefill + head + decoder per request, batched across requests.
+
+    serve run serve/config.yaml                    # or: serve deploy serve/config.yaml
+    python -m serve.app --model-dir runs/default/student
+
+`POST /v1/rerank` (also `/rerank`, `/v2/rerank`) speaks the Cohere v2 / Jina / vLLM rerank schema;
+`GET /healthz`, `GET /v1/models`, OpenAPI at `/docs`. Requests that arrive together share one
+forward pass (`@serve.batch`; size and wait set through `user_config`). Bad input is a 4xx with a
+message: never a 500. Set `HLLM_API_TOKEN` to require `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from ray import serve
+from ray.serve import Application
+
+from serve.schemas import (Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult,
+                           ResultDocument, Usage)
+
+api = FastAPI(title="hLLM rerank", version="1", description="Single-pass generative reranking")
+
+
+class AppArgs(BaseModel):
+    """Arguments of the application builder (from `serve run/deploy` YAML or code)."""
+
+    model_dir: str | None = None
+    mlflow_run_id: str | None = None
+    tracking_uri: str | None = None
+    model_name: str = "hllm-student"
+    decoder: str = "hungarian"
+    max_documents: int = 100
+    max_body_bytes: int = 2_000_000
+    device: str = "auto"
+    threads: int | None = None
+
+
+def resolve_model_dir(args: AppArgs) -> str:
+    if args.model_dir:
+        return args.model_dir
+    if not args.mlflow_run_id:
+        raise ValueError("give model_dir or mlflow_run_id")
+    import mlflow
+
+    return mlflow.artifacts.download_artifacts(run_id=args.mlflow_run_id, artifact_path="student",
+                                               tracking_uri=args.tracking_uri)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"detail": message})
+
+
+@api.middleware("http")
+async def limits_and_auth(request: Request, call_next):
+    token = os.environ.get("HLLM_API_TOKEN")
+    if token and not request.url.path.endswith("/healthz"):
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return _error(401, "missing or wrong bearer token")
+    limit = getattr(request.app.state, "max_body_bytes", None)
+    length = request.headers.get("content-length")
+    if limit and length and length.isdigit() and int(length) > limit:
+        return _error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    return await call_next(request)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.ingress(api)
+class Reranker:
+    def __init__(self, args: dict):
+        import torch
+
+        from hllm.ranker import SinglePassRanker
+        from hllm.workflow import resolve_device
+
+        self.args = AppArgs(**args)
+        if self.args.threads:
+            torch.set_num_threads(self.args.threads)
+        self.ranker = SinglePassRanker.load(resolve_model_dir(self.args)).to(resolve_device(self.args.device))
+        api.state.max_body_bytes = self.args.max_body_bytes
+
+    def reconfigure(self, user_config: dict) -> None:
+        """`user_config: {max_batch_size, batch_wait_timeout_s}` tunes batching without a restart."""
+        self._score.set_max_batch_size(int(user_config.get("max_batch_size", 8)))
+        self._score.set_batch_wait_timeout_s(float(user_config.get("batch_wait_timeout_s", 0.005)))
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
+    async def _score(self, prompts: list) -> list[tuple[np.ndarray, int, float]]:
+        t0 = time.perf_counter()
+        matrices = self.ranker.score_prompts(prompts)
+        forward_ms = 1000 * (time.perf_counter() - t0)
+        return [(m, len(prompts), forward_ms) for m in matrices]
+
+    async def _rerank(self, body: RerankBody) -> RerankResponse | JSONResponse:
+        from hllm.decoding import DECODERS
+        from hllm.prompts import PromptTooLong
+        from hllm.records import Candidate, Query, RerankRequest
+
+        t0 = time.perf_counter()
+        texts = body.texts()
+        if len(texts) > self.args.max_documents:
+            return _error(413, f"{len(texts)} documents exceed this model's limit of {self.args.max_documents}")
+        request = RerankRequest(Query("request", body.query), [Candidate(str(i), t) for i, t in enumerate(texts)])
+        try:
+            prompt = self.ranker.prompts.encode(request, with_answer=False)
+        except PromptTooLong as err:
+            return _error(413, str(err))
+        t_tok = time.perf_counter()
+        matrix, batch_size, forward_ms = await self._score(prompt)
+        t_fwd = time.perf_counter()
+        decoder = body.decoder or self.args.decoder
+        decoded = DECODERS[decoder](matrix)
+        t_dec = time.perf_counter()
+        top = decoded.permutation[: body.top_n or len(texts)]
+        results = [RerankResult(index=int(i), relevance_score=float(decoded.item_scores[i]), rank=r + 1,
+                                document=ResultDocument(text=texts[i]) if body.return_documents else None)
+                   for r, i in enumerate(top)]
+        n_tokens = len(prompt.input_ids)
+        return RerankResponse(
+            id=str(uuid.uuid4()), model=body.model or self.args.model_name,
+            usage=Usage(prompt_tokens=n_tokens, total_tokens=n_tokens, truncated_documents=prompt.doc_tokens_truncated,
+                        query_truncated=prompt.query_truncated),
+            results=results,
+            meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms={
+                "tokenize": 1000 * (t_tok - t0), "queue_and_forward": 1000 * (t_fwd - t_tok),
+                "forward_batch": forward_ms, "decode": 1000 * (t_dec - t_fwd), "total": 1000 * (time.perf_counter() - t0)}),
+        )
+
+    @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True)
+    async def rerank_v1(self, body: RerankBody):
+        return await self._rerank(body)
+
+    @api.post("/v2/rerank", response_model=RerankResponse, response_model_exclude_none=True)
+    async def rerank_v2(self, body: RerankBody):
+        return await self._rerank(body)
+
+    @api.post("/rerank", response_model=RerankResponse, response_model_exclude_none=True)
+    async def rerank(self, body: RerankBody):
+        return await self._rerank(body)
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.args.model_name, max_documents=self.args.max_documents,
+                                         positions=self.ranker.cfg.head.k)])
+
+
+def app_builder(args: dict) -> Application:
+    """The typed builder `serve run/deploy` calls with the YAML's `args`."""
+    parsed = AppArgs(**args)
+    return Reranker.bind(parsed.model_dump())
+
+
+def main() -> None:
+    import ray
+
+    parser = argparse.ArgumentParser(description="Serve a trained student on a local Ray")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    ray.init(include_dashboard=False, dashboard_host="127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.run(app_builder({"model_dir": str(Path(args.model_dir).resolve())}), blocking=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Ray Train + DeepSpeed distillation on a local Ray (2 CPU workers, ZeRO-2): MLflow run, worker kill."""
+
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hllm.config import load_config
+from pipelines import distill, teacher_gen
+from pipelines.common import PipelineConfig
+
+pytestmark = pytest.mark.slow
+
+JOB = [
+    "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=32",
+    "data.synthetic.val_slates=2", "data.synthetic.test_slates=6",
+    "teacher.bootstrap=false", "teacher.model.hidden_size=32", "teacher.model.layers=1", "teacher.model.heads=2",
+    "teacher.model.intermediate_size=64", "teacher.model.context_length=256",
+    "teacher.generation.constrained=true", "teacher.generation.batch_size=8",
+    "cluster.teacher_actors=1", "cluster.teacher_cpus_per_actor=0.5", "cluster.teacher_batch_slates=8",
+    "cluster.train_workers=2", "cluster.train_cpus_per_worker=1",
+    "student.ranker.head.positions=6", "student.ranker.head.width=32", "student.ranker.adapt.lora_r=2",
+    "student.train.batch_size=4", "student.train.warmup_steps=1",
+    "eval.latency_requests=2", "eval.latency_warmup=1", "distill.zero_stage=2",
+]
+
+
+def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
+    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=4",
+                                                      "distill.checkpoint_every=2"])
+    report = distill.run(cfg)
+    assert report["train_steps"] == 4
+    assert report["student"]["hungarian"]["validity"] == 1.0
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = mlflow.get_run(report["mlflow_run_id"])
+    assert run.data.params["distill.zero_stage"] == "2" and run.data.params["student.train.steps"] == "4"
+    assert "eval.student.hungarian.nDCG_at_10" in run.data.metrics and "eval.teacher.nDCG_at_10" in run.data.metrics
+    assert "eval.latency.single_pass.p50_ms" in run.data.metrics
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == [1, 2, 3, 4]  # only rank 0 logs
+    assert run.data.tags["git_commit"] and "rankings/train-" in run.data.tags["teacher_rankings"]
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "student")}
+    assert {"student/head.safetensors", "student/hllm_ranker.json", "student/adapter"} <= artifacts
+
+
+def _kill_one_worker_after_first_checkpoint(storage: Path, killed: list):
+    deadline = time.time() + 600
+    while time.time() < deadline and not list(storage.rglob("checkpoint_*")):
+        time.sleep(0.2)
+    for proc in psutil.process_iter(["cmdline"]):
+        if any("RayTrainWorker" in part for part in (proc.info["cmdline"] or [])):
+            proc.kill()
+            killed.append(proc.pid)
+            return
+
+
+def test_killed_worker_resumes_from_the_latest_checkpoint(ray_local, tmp_path):
+    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=10",
+                                                      "distill.checkpoint_every=2"])
+    from hllm.workflow import load_splits
+    splits = load_splits(cfg.data)
+    rankings = tmp_path / "rankings" / "train"
+    teacher_gen.generate(cfg, cfg.teacher.model, splits["train"], rankings)
+    killed: list = []
+    killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(tmp_path / "ray_train", killed))
+    killer.start()
+    result = distill.train(cfg, cfg.distill, cfg.teacher.model, rankings)
+    killer.join()
+    assert killed, "no Ray Train worker was found to kill"
+    assert result.error is None
+    assert result.metrics["step"] == 10  # the planned number of steps
+    assert result.metrics["resumed_from_step"] >= 2  # continued from a checkpoint, not from scratch

@@ -1,0 +1,141 @@
+"""The Ray Serve app on a local Ray: schema, ordering, validity, batching equality, bad input, auth."""
+
+import asyncio
+import concurrent.futures
+import json
+import os
+
+import numpy as np
+import pytest
+import requests
+
+from hllm.decoding import hungarian
+from hllm.heads import HeadConfig
+from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.records import Candidate, Query, RerankRequest
+from hllm.training import LossConfig, TrainConfig, student_examples, train_student
+
+from conftest import TINY
+
+pytestmark = pytest.mark.slow
+PORT = 8123
+URL = f"http://127.0.0.1:{PORT}"
+DOCS = ["acme red leather boots", "zenith blue cotton shirt", "acme red wool boots pairs with scarf",
+        "kairo green canvas backpack", "nordic red leather boots"]
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory, small_splits):
+    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(lora_r=2, lora_alpha=4),
+                                                 head=HeadConfig(positions=8, width=32, num_heads=2)))
+    train_student(ranker, student_examples(ranker.prompts, small_splits["train"]),
+                  TrainConfig(steps=3, batch_size=4, warmup_steps=1), LossConfig({"graded_ce": 1.0}))
+    path = tmp_path_factory.mktemp("student")
+    ranker.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def app(ray_local, student_dir):
+    from ray import serve
+
+    from serve.app import app_builder
+
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(app_builder({"model_dir": str(student_dir), "max_documents": 10, "max_body_bytes": 20_000}),
+              name="hllm", route_prefix="/")
+    yield
+    serve.delete("hllm")
+
+
+def post(path="/v1/rerank", **body):
+    return requests.post(URL + path, json=body, timeout=60)
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank", "/rerank"])
+def test_schema_and_order(app, path, student_dir):
+    r = post(path, query="red leather boots", documents=DOCS, top_n=3, return_documents=True)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"id", "model", "usage", "results", "meta"}
+    assert out["usage"]["prompt_tokens"] == out["usage"]["total_tokens"] > 0
+    assert [res["rank"] for res in out["results"]] == [1, 2, 3]
+    scores = [res["relevance_score"] for res in out["results"]]
+    assert scores == sorted(scores, reverse=True)
+    assert all(res["document"]["text"] == DOCS[res["index"]] for res in out["results"])
+    assert out["meta"]["decoder"] == "hungarian"
+    # the same ranking as the library gives for this request
+    ranker = SinglePassRanker.load(student_dir)
+    req = RerankRequest(Query("request", "red leather boots"), [Candidate(str(i), d) for i, d in enumerate(DOCS)])
+    expected = hungarian(ranker.score([req])[0]).permutation[:3]
+    assert [res["index"] for res in out["results"]] == list(expected)
+
+
+def test_full_ranking_is_a_valid_permutation_and_documents_may_be_objects(app):
+    out = post(query="boots", documents=[{"text": d} for d in DOCS], decoder="sort").json()
+    assert sorted(res["index"] for res in out["results"]) == list(range(len(DOCS)))
+    assert "document" not in out["results"][0] and out["meta"]["decoder"] == "sort"
+
+
+def test_batched_equals_unbatched(app):
+    queries = ["red boots", "blue shirt", "green backpack", "wool scarf", "leather", "acme", "nordic", "canvas"]
+    alone = [post(query=q, documents=DOCS).json() for q in queries]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda q: post(query=q, documents=DOCS).json(), queries))
+    assert max(t["meta"]["batch_size"] for t in together) > 1  # they did share forward passes
+    for a, t in zip(alone, together):
+        assert [r["index"] for r in a["results"]] == [r["index"] for r in t["results"]]
+        np.testing.assert_allclose([r["relevance_score"] for r in a["results"]],
+                                   [r["relevance_score"] for r in t["results"]], atol=1e-6)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"query": "x", "documents": []}, 422, "at least 1"),
+    ({"query": "", "documents": ["a"]}, 422, "at least 1 character"),
+    ({"query": "x", "documents": "not a list"}, 422, "list"),
+    ({"query": "x", "documents": [1, 2]}, 422, "documents"),
+    ({"query": "x", "documents": ["a", "b"], "top_n": 3}, 422, "top_n=3 exceeds"),
+    ({"query": "x", "documents": ["a"], "top_n": 0}, 422, "greater than or equal to 1"),
+    ({"documents": ["a"]}, 422, "query"),
+    ({"query": "x", "documents": ["a"] * 11}, 413, "limit of 10"),
+    ({"query": "x", "documents": ["a"], "decoder": "magic"}, 422, "decoder"),
+])
+def test_bad_input_is_a_4xx_with_a_message(app, body, status, needle):
+    r = requests.post(URL + "/v1/rerank", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert needle in r.text
+
+
+def test_body_limit_and_malformed_json(app):
+    r = requests.post(URL + "/v1/rerank", data="x" * 30_000, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "exceeds the limit" in r.text
+    r = requests.post(URL + "/v1/rerank", data="{not json", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 422
+
+
+def test_health_models_and_openapi(app):
+    assert requests.get(URL + "/healthz", timeout=30).json() == {"status": "ok"}
+    models = requests.get(URL + "/v1/models", timeout=30).json()
+    assert models["data"][0]["max_documents"] == 10
+    spec = requests.get(URL + "/openapi.json", timeout=30).json()
+    assert "/v1/rerank" in spec["paths"] and requests.get(URL + "/docs", timeout=30).status_code == 200
+
+
+def test_bearer_auth_both_ways(app, student_dir):
+    from ray import serve
+
+    from serve.app import AppArgs, Reranker
+
+    secure = Reranker.options(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": {"HLLM_API_TOKEN": "s3cret"}}})
+    serve.run(secure.bind(AppArgs(model_dir=str(student_dir)).model_dump()), name="secure", route_prefix="/secure")
+    try:
+        body = {"query": "boots", "documents": DOCS}
+        assert requests.post(URL + "/secure/v1/rerank", json=body, timeout=60).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert requests.post(URL + "/secure/v1/rerank", json=body, headers=wrong, timeout=60).status_code == 401
+        right = {"Authorization": "Bearer s3cret"}
+        assert requests.post(URL + "/secure/v1/rerank", json=body, headers=right, timeout=60).status_code == 200
+        assert requests.get(URL + "/secure/healthz", timeout=60).status_code == 200  # probes need no token
+        assert post(query="boots", documents=DOCS).status_code == 200  # the open app stays open
+    finally:
+        serve.delete("secure")
