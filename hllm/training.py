@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from hllm.losses import LOSSES, NEG, mixed_loss
+from hllm.losses import LOSSES, NEG, listnet_kl, mixed_loss
 from hllm.parsing import format_ranking
 from hllm.prompts import EncodedPrompt, PromptBuilder, collate
 from hllm.records import RerankRequest
@@ -42,6 +42,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 25
     time_budget_s: float | None = None  # stop early (and say so) once exceeded
+    autocast_bf16: bool = False  # bf16 autocast of the forward pass (CPUs with AVX512-BF16/AMX, GPUs)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -133,9 +134,11 @@ def run_loop(step_fn: Callable[[list], tuple[torch.Tensor, dict]], params, examp
     torch.manual_seed(cfg.seed)
     opt, sched = _optimizer(params, cfg)
     trainable = [p for g in opt.param_groups for p in g["params"]]
+    device_type = trainable[0].device.type
     history, t0 = [], time.perf_counter()
     for step, chunk in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
-        loss, parts = step_fn(chunk)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            loss, parts = step_fn(chunk)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
@@ -176,6 +179,9 @@ class BootstrapConfig:
     # and each candidate's own identifier at its last token (restricted to identifier tokens):
     # the copy the answer needs ("the best item is ... [7]") then starts from the right state
     id_weight: float = 1.0
+    # FIRST-style listwise term: at every identifier position, the logits of the identifiers not
+    # yet written should follow the grades (ListNet KL), so 2 > 0 is learned, not only "3 is right"
+    listwise_weight: float = 1.0
     # curriculum by slate size: the first `small_steps` steps see random sub-slates of
     # `small_size` candidates (short, cheap sequences where matching is learned fast)
     small_steps: int = 0
@@ -195,6 +201,7 @@ class BootstrapExample:
     accept: list[list[int]]  # per answer token: the token ids that count as right
     item_positions: list[int]  # last token of each candidate
     grades: list[int]
+    answer_perm: list[int]  # the gold order the answer was written in
 
 
 def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], loss: str = "set",
@@ -220,7 +227,7 @@ def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], lo
                 accept[2 * rank] = [id_tok[j][0] for j in perm[rank:] if req.grades[j] == wanted]
         enc = builder.encode(req, with_answer=True)
         out.append(BootstrapExample(enc.input_ids + answer, len(enc.input_ids), accept, enc.item_positions,
-                                    [int(g) for g in req.grades]))
+                                    [int(g) for g in req.grades], perm))
     return out
 
 
@@ -239,7 +246,8 @@ def id_token_ids(tokenizer, n: int) -> list[int]:
 
 
 def bootstrap_loss(model, chunk: list[BootstrapExample], pad_id: int, device, grade_tokens: list[int] | None = None,
-                   grade_weight: float = 0.0, id_tokens: list[int] | None = None, id_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+                   grade_weight: float = 0.0, id_tokens: list[int] | None = None, id_weight: float = 0.0,
+                   listwise_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """-log sum_{accepted tokens} p(token), averaged over answer tokens; prompt tokens carry no loss.
 
     With `grade_weight`, adds the CE of each candidate's grade, read at its last token and
@@ -265,6 +273,10 @@ def bootstrap_loss(model, chunk: list[BootstrapExample], pad_id: int, device, gr
     answer_nll = -torch.logsumexp(picked, dim=1).mean()
     parts = {"answer_nll": float(answer_nll.detach())}
     total = answer_nll
+    if listwise_weight and id_tokens is not None:
+        lw = _listwise_term(out.logits, chunk, id_tokens, device)
+        parts["listwise_kl"] = float(lw.detach())
+        total = total + listwise_weight * lw
     if not (grade_weight or id_weight):
         return total, parts
     rows = torch.tensor([r for r, e in enumerate(chunk) for _ in e.item_positions])
@@ -294,6 +306,24 @@ def sub_slates(requests: list[RerankRequest], size: int, seed: int) -> list[Rera
     return out
 
 
+def _listwise_term(logits: torch.Tensor, chunk: list[BootstrapExample], id_tokens: list[int], device) -> torch.Tensor:
+    """Mean over identifier positions of KL(softmax(grades of unwritten items) || softmax(their id logits))."""
+    n = max(len(e.grades) for e in chunk)
+    rows, cols, grades = [], [], []
+    for r, e in enumerate(chunk):
+        remaining = torch.full((n,), float("nan"))
+        remaining[: len(e.grades)] = torch.tensor(e.grades, dtype=torch.float)
+        for rank, item in enumerate(e.answer_perm):
+            rows.append(r)
+            cols.append(e.answer_start + 2 * rank - 1)  # predicts the id at this rank
+            grades.append(remaining.clone())
+            remaining[item] = float("nan")  # written: no longer a choice
+    g = torch.stack(grades).to(device)  # (P, N) grade of each still-unwritten item, NaN otherwise
+    valid = ~torch.isnan(g)
+    pred = logits[torch.tensor(rows), torch.tensor(cols)][:, id_tokens[:n]].float()  # (P, N)
+    return listnet_kl(pred[:, :, None], torch.nan_to_num(g, nan=-1.0), valid)
+
+
 def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankRequest], cfg: BootstrapConfig,
                       log: Callable[[int, dict], None] | None = None) -> list[dict]:
     model.train()
@@ -302,7 +332,11 @@ def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankReques
     grades = grade_token_ids(builder.tokenizer) if cfg.grade_weight else None
     n_max = max(len(r.candidates) for r in requests)
     ids = id_token_ids(builder.tokenizer, n_max) if cfg.id_weight else None
-    step_fn = lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight, ids, cfg.id_weight)  # noqa: E731
+    ids = ids if (cfg.id_weight or cfg.listwise_weight) else None
+    if cfg.listwise_weight and ids is None:
+        ids = id_token_ids(builder.tokenizer, n_max)
+    step_fn = lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight, ids,  # noqa: E731
+                                           cfg.id_weight, cfg.listwise_weight)
     params = [(list(model.parameters()), cfg.train.lr)]
     history = []
     if cfg.small_steps:

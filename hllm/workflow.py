@@ -282,7 +282,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="YAML file; key=value overrides win over it")
+    default = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    parser.add_argument("--config", default=str(default) if default.exists() else None,
+                        help="YAML file (default: configs/default.yaml); key=value overrides win over it")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. student.train.steps=100")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

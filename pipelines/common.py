@@ -63,6 +63,15 @@ class PipelineConfig(JobConfig):
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+
+
+def add_config_args(parser) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None,
+                        help="YAML file (default: configs/default.yaml); key=value overrides win over it")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. cluster.teacher_actors=2")
+
+
 def init_ray(cfg: ClusterConfig) -> None:
     import ray
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from hllm.config import from_dict, load_config, to_dict
 from hllm.models import ModelConfig
-from pipelines.common import DistillConfig, PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, tracking_uri
+from pipelines.common import add_config_args, DistillConfig, PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, tracking_uri
 
 log = logging.getLogger("hllm.pipelines.distill")
 
@@ -200,8 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     from hllm.workflow import summary_lines
 
     parser = argparse.ArgumentParser(description="Ray Train + DeepSpeed distillation of the single-pass student")
-    parser.add_argument("--config", default=None)
-    parser.add_argument("overrides", nargs="*")
+    add_config_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     cfg = load_config(PipelineConfig, args.config, args.overrides)

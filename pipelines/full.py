@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit 
 from hllm.config import load_config, to_dict  # noqa: E402
 from hllm.workflow import summary_lines  # noqa: E402
 from pipelines import distill  # noqa: E402
-from pipelines.common import PipelineConfig, init_ray, mlflow_run, tracking_uri  # noqa: E402
+from pipelines.common import PipelineConfig, add_config_args, init_ray, mlflow_run, tracking_uri  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.full")
 
@@ -54,15 +54,11 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="hLLM: the whole pipeline on Ray")
-    parser.add_argument("--config", default=None, help="YAML; key=value overrides win over it")
     parser.add_argument("--no-serve", action="store_true", help="skip the Serve deployment")
-    parser.add_argument("overrides", nargs="*")
+    add_config_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    config = args.config
-    if config is None and (Path(__file__).resolve().parents[1] / "configs" / "default.yaml").exists():
-        config = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
-    cfg = load_config(PipelineConfig, config, args.overrides)
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
     log.info("config: %s", json.dumps(to_dict(cfg)))
     t0 = time.perf_counter()
     init_ray(cfg.cluster)

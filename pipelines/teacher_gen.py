@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from hllm.config import from_dict, load_config, to_dict
 from hllm.records import ParseCounts, RerankRequest, record_to_dict, request_from_dict
-from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run
+from pipelines.common import add_config_args, PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run
 
 log = logging.getLogger("hllm.pipelines.teacher_gen")
 COUNT_FIELDS = ("ok", "wrong_format", "repeated", "missing", "out_of_range")
@@ -158,8 +158,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[Path, di
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Teacher generation with Ray Data")
-    parser.add_argument("--config", default=None)
-    parser.add_argument("overrides", nargs="*")
+    add_config_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     cfg = load_config(PipelineConfig, args.config, args.overrides)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv/ and installs hLLM with everything it needs (Ray, DeepSpeed, MLflow, test tools).
-# torch: a torch already importable in .venv is kept (GPU hosts keep their CUDA build); otherwise
+# torch: a torch already importable (in .venv, or in the system Python, which .venv then sees) is
+# kept, so GPU hosts keep their CUDA build; otherwise
 # CPU-only hosts get torch 2.13.0, which on this project's build machines is the local CPU wheel
 # (set HLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere to avoid the CUDA build),
 # and hosts with an NVIDIA driver get PyPI's CUDA build.
@@ -8,7 +9,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+  # a torch in the system Python (a GPU image's CUDA build) is reused, not replaced
+  if "$python" -c 'import torch' >/dev/null 2>&1; then
+    "$python" -m venv --system-site-packages .venv
+  else
+    "$python" -m venv .venv
+  fi
+fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 
 if ! torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null); then

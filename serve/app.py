@@ -9,7 +9,6 @@ forward pass (`@serve.batch`; size and wait set through `user_config`). Bad inpu
 message: never a 500. Set `HLLM_API_TOKEN` to require `Authorization: Bearer <token>`.
 """
 
-from __future__ import annotations
 
 import argparse
 import hmac
@@ -101,7 +100,7 @@ class Reranker:
         forward_ms = 1000 * (time.perf_counter() - t0)
         return [(m, len(prompts), forward_ms) for m in matrices]
 
-    async def _rerank(self, body: RerankBody) -> RerankResponse | JSONResponse:
+    async def _rerank(self, body: RerankBody):
         from hllm.decoding import DECODERS
         from hllm.prompts import PromptTooLong
         from hllm.records import Candidate, Query, RerankRequest
