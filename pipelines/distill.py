@@ -116,7 +116,9 @@ def train_func(config: dict[str, Any]) -> None:
                     engine.save_checkpoint(directory, tag=f"step{step}", client_state={"step": step})  # every rank
                     if step == t.steps and rank == 0:
                         ranker.save(Path(directory) / "student", bundle_base=True)
-                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+                    # one name for all ranks: their files (ZeRO shards) land in one checkpoint
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                                     checkpoint_dir_name=f"checkpoint_{step:06d}")
             if step >= t.steps:
                 break
     if mlflow is not None:

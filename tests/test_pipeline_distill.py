@@ -1,5 +1,6 @@
 """Ray Train + DeepSpeed distillation on a local Ray (2 CPU workers, ZeRO-2): MLflow run, worker kill."""
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -48,7 +49,9 @@ def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
 
 def _kill_one_worker_after_first_checkpoint(storage: Path, killed: list):
     deadline = time.time() + 600
-    while time.time() < deadline and not list(storage.rglob("checkpoint_*")):
+    # the controller writes its snapshot once it has registered a checkpoint: kill after that
+    while time.time() < deadline and not any(
+            json.loads(p.read_text()).get("checkpoint_results") for p in storage.rglob("checkpoint_manager_snapshot.json")):
         time.sleep(0.2)
     for proc in psutil.process_iter(["cmdline"]):
         if any("RayTrainWorker" in part for part in (proc.info["cmdline"] or [])):
@@ -58,7 +61,7 @@ def _kill_one_worker_after_first_checkpoint(storage: Path, killed: list):
 
 
 def test_killed_worker_resumes_from_the_latest_checkpoint(ray_local, tmp_path):
-    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=10",
+    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=30",
                                                       "distill.checkpoint_every=2"])
     from hllm.workflow import load_splits
     splits = load_splits(cfg.data)
@@ -71,5 +74,5 @@ def test_killed_worker_resumes_from_the_latest_checkpoint(ray_local, tmp_path):
     killer.join()
     assert killed, "no Ray Train worker was found to kill"
     assert result.error is None
-    assert result.metrics["step"] == 10  # the planned number of steps
+    assert result.metrics["step"] == 30  # the planned number of steps
     assert result.metrics["resumed_from_step"] >= 2  # continued from a checkpoint, not from scratch
