@@ -30,6 +30,7 @@ class ClusterConfig:
     train_cpus_per_worker: float = 1.0
     use_gpu: bool | None = None  # None: use GPUs when the cluster has them
     serve_port: int = 8000  # full.py's deployment (bound to 127.0.0.1)
+    spread: bool = False  # place teacher actors and train workers on as many nodes as possible
 
     def __post_init__(self) -> None:
         if self.teacher_actors < 1 or self.train_workers < 1:
@@ -117,9 +118,11 @@ def mlflow_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None
     mlflow.set_tracking_uri(tracking_uri(cfg))
     mlflow.set_experiment(cfg.tracking.experiment)
     all_tags = {"hllm.stage": stage, "git_commit": git_commit(), **tags}
-    if parent_run_id:
-        all_tags["mlflow.parentRunId"] = parent_run_id
-    with mlflow.start_run(run_name=cfg.tracking.run_name or stage, tags=all_tags) as run:
+    active = mlflow.active_run()
+    if parent_run_id and not (active and active.info.run_id == parent_run_id):
+        all_tags["mlflow.parentRunId"] = parent_run_id  # a parent that is not active in this process
+    nested = bool(active and parent_run_id and active.info.run_id == parent_run_id)
+    with mlflow.start_run(run_name=cfg.tracking.run_name or stage, tags=all_tags, nested=nested) as run:
         params = {k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in flatten(cfg).items()}
         items = list(params.items())
         for start in range(0, len(items), 100):  # MLflow caps params per batch

@@ -114,6 +114,7 @@ def train_func(config: dict[str, Any]) -> None:
             if step % distill.checkpoint_every == 0 or step == t.steps:
                 with tempfile.TemporaryDirectory() as directory:
                     engine.save_checkpoint(directory, tag=f"step{step}", client_state={"step": step})  # every rank
+                    (Path(directory) / f"node.rank{rank}").write_text(ray.get_runtime_context().get_node_id())
                     if step == t.steps and rank == 0:
                         ranker.save(Path(directory) / "student", bundle_base=True)
                     # one name for all ranks: their files (ZeRO shards) land in one checkpoint
@@ -145,6 +146,7 @@ def train(cfg: PipelineConfig, distill: DistillConfig, teacher_model: ModelConfi
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.cluster.train_workers, use_gpu=gpu,
+            placement_strategy="SPREAD" if cfg.cluster.spread else "PACK",
             resources_per_worker=None if gpu else {"CPU": cfg.cluster.train_cpus_per_worker}),
         run_config=ray.train.RunConfig(
             name="distill", storage_path=str(storage),
@@ -207,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     log.info("config: %s", json.dumps(to_dict(cfg)))
+    import torch
+
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)  # a Ray job's driver gets OMP_NUM_THREADS=1
     report = run(cfg)
     for line in summary_lines(report, cfg.eval.main_decoder):
         print(line)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     log.info("config: %s", json.dumps(to_dict(cfg)))
     t0 = time.perf_counter()
+    # a Ray job's driver inherits OMP_NUM_THREADS=1; the bootstrap and evaluation run here
+    import torch
+
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     init_ray(cfg.cluster)
     with mlflow_run(cfg, "full") as parent:
         report = distill.run(cfg, parent_run_id=parent.info.run_id)

@@ -67,6 +67,9 @@ class TeacherActor:
         device = torch.device("cuda" if use_gpu else "cpu")
         self.teacher = load_teacher(from_dict(ModelConfig, teacher_model), cfg, device)
         self.out_dir = Path(out_dir)
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         requests = [request_from_dict(json.loads(s)) for s in batch["slate"]]
@@ -83,6 +86,7 @@ class TeacherActor:
             "output_tokens": [r.output_tokens for r in rankings],
             "latency_s": [r.latency_s for r in rankings],
             "windows": [r.windows for r in rankings],
+            "node_id": [self.node_id] * len(rankings),  # provenance: which Ray node ranked it
             "slate": list(batch["slate"]),
         }
         write_shard_atomically(pa.table(rows), self.out_dir, shard_name(rows["slate_id"]))
@@ -115,6 +119,7 @@ def generate(cfg: PipelineConfig, teacher_model: Any, slates: list[RerankRequest
             compute=ray.data.ActorPoolStrategy(size=cfg.cluster.teacher_actors),
             num_gpus=1 if gpu else 0,
             num_cpus=cfg.cluster.teacher_cpus_per_actor,
+            **({"scheduling_strategy": "SPREAD"} if cfg.cluster.spread else {}),
         )
         summary = ranked.take_all()
     elapsed = time.perf_counter() - t0

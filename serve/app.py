@@ -73,7 +73,7 @@ async def limits_and_auth(request: Request, call_next):
     return await call_next(request)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16)
 @serve.ingress(api)
 class Reranker:
     def __init__(self, args: dict):

@@ -1,0 +1,40 @@
+"""Helper for test_multinode.py, run in its own process: a head node and a worker node on this
+machine (separate raylets, separate resources), then teacher generation and distillation with
+`cluster.spread=true`. Prints, as JSON, the Ray nodes that ranked slates and that trained."""
+
+import json
+import sys
+from pathlib import Path
+
+from ray.cluster_utils import Cluster
+
+from hllm.config import load_config
+from pipelines import distill, teacher_gen
+from pipelines.common import PipelineConfig
+
+
+def main(out: str, overrides: list[str]) -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}})
+    cluster.add_node(num_cpus=2, resources={"worker": 1})
+    cluster.wait_for_nodes()
+    try:
+        cfg = load_config(PipelineConfig, None, overrides + [f"output_dir={out}", f"cluster.address={cluster.address}",
+                                                             "cluster.spread=true"])
+        from hllm.workflow import load_splits
+        splits = load_splits(cfg.data)
+        rankings = Path(out) / "rankings" / "train"
+        teacher_gen.generate(cfg, cfg.teacher.model, splits["train"], rankings)
+        rows = teacher_gen.read_rankings(rankings)
+        result = distill.train(cfg, cfg.distill, cfg.teacher.model, rankings)
+        with result.checkpoint.as_directory() as d:
+            train_nodes = sorted({p.read_text() for p in Path(d).glob("node.rank*")})
+        import ray
+        print(json.dumps({"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
+                          "teacher_nodes": sorted({r["node_id"] for r in rows}), "train_nodes": train_nodes,
+                          "steps": result.metrics["step"]}))
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
