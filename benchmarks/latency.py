@@ -41,7 +41,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
-    cfg = from_dict(JobConfig, json.loads((run / "config.json").read_text()))
+    cfg = from_dict(JobConfig, {k: v for k, v in json.loads((run / "config.json").read_text()).items()
+                                if k in JobConfig.__dataclass_fields__})
     ranker = SinglePassRanker.load(run / "student").eval()
     teacher_model = ranker.cfg.model  # the student's base is the teacher's weights
     teacher = load_teacher(teacher_model, cfg, torch.device("cpu"))

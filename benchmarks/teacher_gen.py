@@ -18,15 +18,14 @@ from hllm.config import load_config
 from hllm.evaluation import evaluate_teacher
 from hllm.workflow import load_splits, load_teacher, prepare_teacher, resolve_device
 from pipelines import teacher_gen
-from pipelines.common import PipelineConfig
+from pipelines.common import PipelineConfig, add_config_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None)
     parser.add_argument("--slates", type=int, default=256, help="training slates to generate per actor setting")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    add_config_args(parser)
+    args = parser.parse_intermixed_args()
     logging.basicConfig(level=logging.WARNING)
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     splits = load_splits(cfg.data)

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     init_ray(cfg.cluster)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.output_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     with mlflow_run(cfg, "full") as parent:
         report = distill.run(cfg, parent_run_id=parent.info.run_id)
         smoke = None if args.no_serve else deploy_and_smoke_test(cfg, Path(cfg.output_dir) / "student")
