@@ -33,6 +33,9 @@ def main(out: str, overrides: list[str]) -> None:
                           "teacher_nodes": sorted({r["node_id"] for r in rows}), "train_nodes": train_nodes,
                           "steps": result.metrics["step"]}))
     finally:
+        import ray
+
+        ray.shutdown()  # disconnect the driver before removing the nodes
         cluster.shutdown()
 
 
