@@ -94,3 +94,18 @@ def test_sliding_windows_bubble_the_best_to_the_top():
     assert sorted(ranked.permutation) == list(range(12))
     assert ranked.windows[0] == [8, 12] and ranked.windows[-1] == [0, 4]
     assert ranked.counts.ok == 1
+
+
+def test_first_style_scores_read_identifier_logits(tiny_backbone, small_splits):
+    from hllm.baselines import first_style_scores, identifier_first_tokens
+
+    model, tok = tiny_backbone
+    reqs = small_splits["test"][:2]
+    reqs[1].candidates = reqs[1].candidates[:5]
+    builder = PromptBuilder(tok, PromptConfig(), 512)
+    scores = first_style_scores(model, builder, reqs)
+    assert [s.shape for s in scores] == [(8,), (5,)]
+    ids = identifier_first_tokens(tok, 8)
+    assert len(set(ids)) == 8  # single-token identifiers: one logit each
+    logits = model(input_ids=torch.tensor([builder.encode(reqs[0]).input_ids])).logits[0, -1]
+    assert torch.allclose(torch.tensor(scores[0]), logits[ids], atol=1e-4)
