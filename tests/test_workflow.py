@@ -29,3 +29,15 @@ def test_job_runs_and_resumes(tmp_path):
     run(cfg)  # same config: every stage is reused, none redone
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")} == stamps
     assert json.loads((tmp_path / "teacher" / "stage.json").read_text())["steps"] == 3
+
+
+def test_same_seed_same_teacher_outputs_and_student_metrics(tmp_path):
+    reports = []
+    for name in ("a", "b"):
+        cfg = load_config(JobConfig, None, TINY_JOB + [f"output_dir={tmp_path / name}"])
+        reports.append(run(cfg))
+    texts = [(tmp_path / n / "rankings_test" / "test.jsonl").read_text() for n in ("a", "b")]
+    strip = lambda t: [{k: v for k, v in json.loads(line).items() if k != "latency_s"} for line in t.splitlines()]  # noqa: E731
+    assert strip(texts[0]) == strip(texts[1])
+    assert reports[0]["teacher"] == reports[1]["teacher"]
+    assert reports[0]["student"] == reports[1]["student"]
