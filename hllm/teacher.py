@@ -20,7 +20,6 @@ from hllm.prompts import PromptBuilder, PromptConfig, answer_reserve, collate
 from hllm.records import RerankRequest, TeacherRanking
 from hllm.windows import rank_with_windows
 
-SEPARATOR = " > "
 
 
 @dataclass

@@ -32,7 +32,6 @@ from hllm.records import ParseCounts, RerankRequest, TeacherRanking, record_to_d
 from hllm.synthetic import SyntheticConfig, generate
 from hllm.teacher import ARTeacher, TeacherConfig
 from hllm.training import BootstrapConfig, LossConfig, TrainConfig, bootstrap_teacher, student_examples, train_student
-from hllm.heads import HeadConfig
 
 log = logging.getLogger("hllm")
 

@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-import torch
 
 from hllm.decoding import is_permutation
 from hllm.heads import HeadConfig

@@ -1,9 +1,6 @@
 """The Ray Serve app on a local Ray: schema, ordering, validity, batching equality, bad input, auth."""
 
-import asyncio
 import concurrent.futures
-import json
-import os
 
 import numpy as np
 import pytest
