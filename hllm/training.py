@@ -12,7 +12,6 @@ token keep plain cross-entropy. From then on it is used exactly like a real teac
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
@@ -122,7 +121,7 @@ def batches(examples: list, batch_size: int, seed: int):
             yield [examples[i] for i in order[start: start + batch_size]]
 
 
-def _optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], cfg: TrainConfig):
+def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], cfg: TrainConfig):
     params = [{"params": [p for p in ps if p.requires_grad], "lr": lr} for ps, lr in groups]
     opt = torch.optim.AdamW([g for g in params if g["params"]], weight_decay=cfg.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
@@ -132,7 +131,7 @@ def run_loop(step_fn: Callable[[list], tuple[torch.Tensor, dict]], params, examp
              log: Callable[[int, dict], None] | None = None) -> list[dict]:
     """The one training loop: batches -> loss -> backward -> clip -> step. -> history rows."""
     torch.manual_seed(cfg.seed)
-    opt, sched = _optimizer(params, cfg)
+    opt, sched = make_optimizer(params, cfg)
     trainable = [p for g in opt.param_groups for p in g["params"]]
     device_type = trainable[0].device.type
     history, t0 = [], time.perf_counter()
@@ -182,10 +181,6 @@ class BootstrapConfig:
     # FIRST-style listwise term: at every identifier position, the logits of the identifiers not
     # yet written should follow the grades (ListNet KL), so 2 > 0 is learned, not only "3 is right"
     listwise_weight: float = 1.0
-    # curriculum by slate size: the first `small_steps` steps see random sub-slates of
-    # `small_size` candidates (short, cheap sequences where matching is learned fast)
-    small_steps: int = 0
-    small_size: int = 5
 
 
 def gold_permutation(grades: list[int | None], rng: random.Random | None = None) -> list[int]:
@@ -295,17 +290,6 @@ def bootstrap_loss(model, chunk: list[BootstrapExample], pad_id: int, device, gr
     return total, parts
 
 
-def sub_slates(requests: list[RerankRequest], size: int, seed: int) -> list[RerankRequest]:
-    """Each slate cut to `size` random candidates, in a random order (grades follow)."""
-    rng = random.Random(seed)
-    out = []
-    for req in requests:
-        keep = rng.sample(range(len(req.candidates)), min(size, len(req.candidates)))
-        out.append(dataclasses.replace(req, candidates=[req.candidates[i] for i in keep],
-                                       grades=[req.grades[i] for i in keep] if req.grades else None))
-    return out
-
-
 def _listwise_term(logits: torch.Tensor, chunk: list[BootstrapExample], id_tokens: list[int], device) -> torch.Tensor:
     """Mean over identifier positions of KL(softmax(grades of unwritten items) || softmax(their id logits))."""
     n = max(len(e.grades) for e in chunk)
@@ -338,10 +322,6 @@ def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankReques
     step_fn = lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight, ids,  # noqa: E731
                                            cfg.id_weight, cfg.listwise_weight)
     params = [(list(model.parameters()), cfg.train.lr)]
-    history = []
-    if cfg.small_steps:
-        small = bootstrap_examples(builder, sub_slates(requests, cfg.small_size, cfg.train.seed), cfg.loss, cfg.train.seed)
-        history = run_loop(step_fn, params, small, dataclasses.replace(cfg.train, steps=cfg.small_steps), log)
-    history += run_loop(step_fn, params, bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed), cfg.train, log)
+    history = run_loop(step_fn, params, bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed), cfg.train, log)
     model.eval()
     return history

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hllm.config import flatten
+from hllm.config import flatten, load_config, to_dict
 from hllm.workflow import JobConfig
 
 log = logging.getLogger("hllm.pipelines")
@@ -71,6 +71,26 @@ def add_config_args(parser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None,
                         help="YAML file (default: configs/default.yaml); key=value overrides win over it")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. cluster.teacher_actors=2")
+
+
+def parse_job(description: str, argv: list[str] | None = None, configure=None) -> tuple["PipelineConfig", Any]:
+    """The entry points' shared start: arguments -> logging -> resolved config (logged first) ->
+    driver threads. A Ray job's driver inherits OMP_NUM_THREADS=1, yet the teacher bootstrap and
+    the evaluation run in it. `configure(parser)` adds an entry point's own flags."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=description)
+    if configure:
+        configure(parser)
+    add_config_args(parser)
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    log.info("config: %s", json.dumps(to_dict(cfg)))
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    return cfg, args
 
 
 def init_ray(cfg: ClusterConfig) -> None:

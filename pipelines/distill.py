@@ -13,7 +13,6 @@ to MLflow. The driver then evaluates the student against the teacher on the test
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -23,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hllm.config import from_dict, load_config, to_dict
+from hllm.config import from_dict, to_dict
 from hllm.models import ModelConfig
-from pipelines.common import add_config_args, DistillConfig, PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, tracking_uri
+from pipelines.common import DistillConfig, parse_job, PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, tracking_uri
 
 log = logging.getLogger("hllm.pipelines.distill")
 
@@ -62,7 +61,7 @@ def train_func(config: dict[str, Any]) -> None:
     import torch
 
     from hllm.ranker import SinglePassRanker
-    from hllm.training import _optimizer, student_batch, student_loss
+    from hllm.training import make_optimizer, student_batch, student_loss
     from hllm.workflow import student_config
 
     cfg = from_dict(PipelineConfig, config["job"])
@@ -77,7 +76,7 @@ def train_func(config: dict[str, Any]) -> None:
     ranker = SinglePassRanker.build(student_config(cfg, teacher_model)).to(device)
     t = cfg.student.train
     groups = [(list(ranker.backbone.parameters()), t.lr), (list(ranker.head.parameters()), t.head_lr or t.lr)]
-    optimizer, scheduler = _optimizer(groups, t)  # a torch AdamW: no fused_adam build on CPU
+    optimizer, scheduler = make_optimizer(groups, t)  # a torch AdamW: no fused_adam build on CPU
     engine, _, _, _ = deepspeed.initialize(model=ranker, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, distill, gpu))
     step = 0
@@ -203,15 +202,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> None:
     from hllm.workflow import summary_lines
 
-    parser = argparse.ArgumentParser(description="Ray Train + DeepSpeed distillation of the single-pass student")
-    add_config_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(PipelineConfig, args.config, args.overrides)
-    log.info("config: %s", json.dumps(to_dict(cfg)))
-    import torch
-
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)  # a Ray job's driver gets OMP_NUM_THREADS=1
+    cfg, _ = parse_job("Ray Train + DeepSpeed distillation of the single-pass student", argv)
     report = run(cfg)
     for line in summary_lines(report, cfg.eval.main_decoder):
         print(line)

@@ -11,20 +11,18 @@ cluster `output_dir` must be storage every node sees (NFS, EFS, a mounted bucket
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-from hllm.config import load_config, to_dict  # noqa: E402
+from hllm.config import to_dict  # noqa: E402
 from hllm.workflow import summary_lines  # noqa: E402
 from pipelines import distill  # noqa: E402
-from pipelines.common import PipelineConfig, add_config_args, init_ray, mlflow_run, tracking_uri  # noqa: E402
+from pipelines.common import PipelineConfig, init_ray, parse_job, mlflow_run, tracking_uri  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.full")
 
@@ -54,18 +52,9 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="hLLM: the whole pipeline on Ray")
-    parser.add_argument("--no-serve", action="store_true", help="skip the Serve deployment")
-    add_config_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(PipelineConfig, args.config, args.overrides)
-    log.info("config: %s", json.dumps(to_dict(cfg)))
+    cfg, args = parse_job("hLLM: the whole pipeline on Ray", argv, configure=lambda parser: parser.add_argument(
+        "--no-serve", action="store_true", help="skip the Serve deployment"))
     t0 = time.perf_counter()
-    # a Ray job's driver inherits OMP_NUM_THREADS=1; the bootstrap and evaluation run here
-    import torch
-
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
     init_ray(cfg.cluster)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.output_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))

@@ -13,7 +13,6 @@ ends with exactly one row per slate.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -27,9 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hllm.config import from_dict, load_config, to_dict
+from hllm.config import from_dict, to_dict
 from hllm.records import ParseCounts, RerankRequest, record_to_dict, request_from_dict
-from pipelines.common import add_config_args, PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run
+from pipelines.common import PipelineConfig, parse_job, cluster_has_gpus, init_ray, log_metrics, mlflow_run
 
 log = logging.getLogger("hllm.pipelines.teacher_gen")
 COUNT_FIELDS = ("ok", "wrong_format", "repeated", "missing", "out_of_range")
@@ -162,12 +161,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[Path, di
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Teacher generation with Ray Data")
-    add_config_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(PipelineConfig, args.config, args.overrides)
-    log.info("config: %s", json.dumps(to_dict(cfg)))
+    cfg, _ = parse_job("Teacher generation with Ray Data", argv)
     out_dir, stats = run(cfg)
     print(f"teacher rankings: {out_dir} | {stats['slates']} slates, resumed {stats['resumed_from']} done | "
           f"validity {stats['validity']:.3f} | "
