@@ -44,7 +44,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Sets `tree["a"]["b"] = value` for `dotted = "a.b"`; a mapping value replaces, never merges."""
     node = tree
     parts = dotted.split(".")
     for part in parts[:-1]:
@@ -141,7 +142,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"{path}: the top level must be a mapping")
         tree = loaded
     for key, value in parse_overrides(overrides or []).items():
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     try:
         return from_dict(cls, tree)
     except ConfigError as err:

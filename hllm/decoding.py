@@ -84,12 +84,13 @@ def sort_first_column(scores: np.ndarray) -> Decoded:
 
 
 def expected_position(scores: np.ndarray) -> Decoded:
-    """Order by E[position] under each item's softmax over positions."""
+    """Order by E[position] under each item's softmax over positions; ties by `tail_scores`, then
+    input order (with one column, K = 1, every expectation is 0 and this is sorting by score)."""
     scores = _check(scores)
     z = scores - scores.max(axis=1, keepdims=True)
     p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)  # (N, K) row softmax
-    expected = p @ np.arange(scores.shape[1])
-    perm = np.lexsort((np.arange(len(scores)), expected))
+    expected = p @ np.arange(scores.shape[1])  # (N,)
+    perm = np.lexsort((np.arange(len(scores)), -tail_scores(scores), expected))
     return Decoded(perm, _rank_scores(perm))
 
 

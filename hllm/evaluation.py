@@ -11,14 +11,14 @@ timed for every method before request i+1), so machine noise hits all methods al
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from hllm.decoding import DECODERS, is_permutation, rank1_energy
-from hllm.metrics import agreement, ir_measure_names, ir_metrics, validity_rate
+from hllm.metrics import agreement, ir_measure_names, ir_metrics, ir_metrics_per_query, validity_rate
 from hllm.prompts import collate
 from hllm.records import ParseCounts, RerankRequest, TeacherRanking
 
@@ -54,25 +54,64 @@ def evaluate_teacher(requests: Sequence[RerankRequest], rankings: Sequence[Teach
             "unparsed_scored_as_input_order": sum(r.permutation is None for r in rankings)}
 
 
-def evaluate_student(ranker, requests: Sequence[RerankRequest], teacher_perms: Sequence[list[int] | None],
-                     cfg: EvalConfig, batch_size: int = 32) -> dict[str, dict]:
-    """Scores once, then compares every decoder on the same matrices."""
+def score_matrices(ranker, requests: Sequence[RerankRequest], batch_size: int = 32) -> list[np.ndarray]:
+    """-> per request the (n, min(K, n)) score matrix, scored in batches."""
     matrices: list[np.ndarray] = []
     for start in range(0, len(requests), batch_size):
         matrices += ranker.score(list(requests[start: start + batch_size]))
-    out = {}
+    return matrices
+
+
+def decoder_report(requests: Sequence[RerankRequest], matrices: Sequence[np.ndarray],
+                   teacher_perms: Sequence[list[int] | None], cfg: EvalConfig) -> tuple[dict[str, dict], dict[str, list]]:
+    """Every decoder on the same matrices -> ({decoder: metrics, "matrix": ...}, {decoder: per-query nDCG@10}).
+
+    Per decoder: IR metrics, agreement to the teacher, validity, the share of slates decoded to
+    exactly the main decoder's permutation, and the decoder's own time per matrix.
+    """
+    out, per_query, perms_by = {}, {}, {}
     for name in cfg.decoders:
+        t0 = time.perf_counter()
         decoded = [DECODERS[name](m) for m in matrices]
-        perms = [d.permutation.tolist() for d in decoded]
+        decode_ms = 1000 * (time.perf_counter() - t0) / max(len(matrices), 1)
+        perms = perms_by[name] = [d.permutation.tolist() for d in decoded]
+        by_qid = ir_metrics_per_query(requests, perms)
+        per_query[name] = [by_qid.get(r.slate_id, float("nan")) for r in requests]
         out[name] = {
             **quality(requests, perms, cfg.binary_rel),
             **agreement(perms, teacher_perms),
             "validity": validity_rate(perms, [len(r.candidates) for r in requests]),
             "repaired": float(np.mean([d.repaired for d in decoded])),
+            "decode_ms": decode_ms,
         }
+    main = perms_by.get(cfg.main_decoder)
+    for name, perms in perms_by.items():
+        if main is not None:
+            out[name]["same_as_main"] = float(np.mean([p == q for p, q in zip(perms, main)]))
     energy = [rank1_energy(m) for m in matrices]
     out["matrix"] = {"rank1_energy_mean": float(np.mean(energy)), "rank1_energy_p10": float(np.percentile(energy, 10))}
-    return out
+    return out, per_query
+
+
+def evaluate_student(ranker, requests: Sequence[RerankRequest], teacher_perms: Sequence[list[int] | None],
+                     cfg: EvalConfig, batch_size: int = 32) -> dict[str, dict]:
+    """Scores once, then compares every decoder on the same matrices."""
+    return decoder_report(requests, score_matrices(ranker, requests, batch_size), teacher_perms, cfg)[0]
+
+
+def interleaved_latency(methods: dict[str, Callable[[RerankRequest], object]], requests: Sequence[RerankRequest],
+                        warmup: int = 3) -> dict[str, dict[str, float]]:
+    """-> {method: {p50_ms, p95_ms}} at batch size 1; request i is timed for every method before
+    request i + 1, so machine noise hits all methods alike. The first `warmup` requests are
+    run but not counted."""
+    reqs = list(requests)
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for i, req in enumerate(reqs[:warmup] + reqs):
+        for name, fn in methods.items():
+            t = _timed(lambda: fn(req))
+            if i >= warmup:
+                times[name].append(1000 * t)
+    return {k: {"p50_ms": float(np.median(v)), "p95_ms": float(np.percentile(v, 95))} for k, v in times.items()}
 
 
 def _timed(fn) -> float:

@@ -104,6 +104,8 @@ def load_smollm2(cfg: ModelConfig):
 
 
 def load_hf(cfg: ModelConfig):
+    if cfg.path.startswith(("/", ".", "~")) and not Path(cfg.path).expanduser().exists():
+        raise FileNotFoundError(f"model.path {cfg.path!r} does not exist (preset hf reads local files only)")
     kwargs = dict(local_files_only=True, trust_remote_code=cfg.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(cfg.path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=DTYPES[cfg.dtype], use_safetensors=True, **kwargs)

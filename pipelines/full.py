@@ -1,7 +1,7 @@
 """The whole job: data -> teacher -> Ray Data generation -> Ray Train distillation -> evaluation
 -> Ray Serve deployment + HTTP smoke test -> summary and the MLflow run id.
 
-    ray job submit --working-dir . -- python pipelines/full.py [--config FILE] [key=value ...]
+    ray job submit --working-dir . -- python pipelines/full.py [--config FILE] [--ablations GRID] [key=value ...]
     python pipelines/full.py                                   # the embedded default, local Ray
 
 Every stage is skipped when its output for the same inputs and config exists (teacher bootstrap
@@ -52,8 +52,12 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, args = parse_job("hLLM: the whole pipeline on Ray", argv, configure=lambda parser: parser.add_argument(
-        "--no-serve", action="store_true", help="skip the Serve deployment"))
+    def configure(parser):
+        parser.add_argument("--no-serve", action="store_true", help="skip the Serve deployment")
+        parser.add_argument("--ablations", metavar="GRID", help="also run this ablation grid (e.g. configs/grids/ablations.yaml) "
+                            "on the same teacher rankings, as a child of this run")
+
+    cfg, args = parse_job("hLLM: the whole pipeline on Ray", argv, configure=configure)
     t0 = time.perf_counter()
     init_ray(cfg.cluster)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
@@ -61,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     with mlflow_run(cfg, "full") as parent:
         report = distill.run(cfg, parent_run_id=parent.info.run_id)
         smoke = None if args.no_serve else deploy_and_smoke_test(cfg, Path(cfg.output_dir) / "student")
+        study = None
+        if args.ablations:
+            from pipelines import ablations
+
+            study = ablations.run(cfg, ablations.load_grid(args.ablations, []), parent_run_id=parent.info.run_id)
         import mlflow
 
         if smoke:
@@ -74,8 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     if smoke:
         print(f"serve: {smoke['url']} answered top-5 {smoke['top5']} in {smoke['latency_ms']:.0f} ms "
               f"(top-1 grade {smoke['top1_grade']})")
+    if study:
+        print(f"ablations: {study['reports'][0]} ({len(study['failures'])} failed cell runs), mlflow run {study['mlflow_run_id']}")
     print(f"mlflow: parent run {parent_id}, distill run {report['mlflow_run_id']} at {tracking_uri(cfg)}")
     print(f"total {time.perf_counter() - t0:.0f}s")
+    if study and study["failures"]:
+        sys.exit(f"{len(study['failures'])} ablation cell run(s) failed (listed in {study['reports'][0]})")
 
 
 if __name__ == "__main__":

@@ -92,3 +92,10 @@ def test_shape_errors():
         hungarian(np.zeros((2, 3)))
     with pytest.raises(ValueError, match="non-empty"):
         hungarian(np.zeros((0, 0)))
+
+
+def test_one_column_matrix_is_sorting_by_score():
+    scores = np.array([[0.1], [2.0], [-1.0], [0.7], [0.7]])  # a scalar head: K = 1
+    expected = [1, 3, 4, 0, 2]  # by score, ties in input order
+    for name in ("hungarian", "sort", "expected_position", "greedy"):
+        assert DECODERS[name](scores).permutation.tolist() == expected, name
