@@ -29,13 +29,13 @@ def bodies(n_docs: int, count: int) -> list[dict]:
     return [{"query": s.query.text, "documents": [c.text for c in s.candidates]} for s in splits["test"]]
 
 
-def load(payloads: list[dict], concurrency: int) -> dict:
+def load(payloads: list[dict], concurrency: int, url: str = URL) -> dict:
     latencies, errors = [], 0
 
     def one(body: dict) -> float | None:
         t0 = time.perf_counter()
         try:
-            r = requests.post(URL, json=body, timeout=60)
+            r = requests.post(url, json=body, timeout=60)
             return time.perf_counter() - t0 if r.status_code == 200 else None
         except requests.RequestException:
             return None

@@ -1,0 +1,118 @@
+"""Fault drill: SIGKILL a Serve replica under bounded load; count failed requests, time the recovery.
+
+    python benchmarks/replica_failure.py --model-dir runs/default/student   # the figures in reports/
+
+Load is closed-loop: `clients` threads each send one request, wait for it, pause `pause_s`, repeat,
+so the offered load stays bounded whatever happens to latency. After `kill_after_s` one replica
+process of the deployment is killed with SIGKILL (no graceful shutdown). A request fails when it
+raises or returns a non-200. Recovery is the time from the kill until Serve reports the target
+number of RUNNING replicas again with a new process in place of the killed one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+import requests
+
+
+def replica_processes(app: str, deployment: str) -> list[psutil.Process]:
+    """Live replica processes of `app`'s `deployment` (Ray titles them ray::ServeReplica:<app>:<deployment>)."""
+    tag = f"ServeReplica:{app}:{deployment}"
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if tag in cmdline and proc.status() != psutil.STATUS_ZOMBIE:
+            out.append(proc)
+    return out
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None or deployment not in status.deployments:
+        return 0
+    return int(status.deployments[deployment].replica_states.get("RUNNING", 0))
+
+
+@dataclass
+class DrillResult:
+    requests: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    killed_pid: int | None = None
+    recovery_s: float | None = None  # None: not recovered within the drill
+    latency_ms: list[float] = field(default_factory=list)
+    failure_times_s: list[float] = field(default_factory=list)  # relative to the kill
+
+    @property
+    def failure_rate(self) -> float:
+        return self.failed / max(self.requests, 1)
+
+    def summary(self) -> dict:
+        lat = np.asarray(self.latency_ms) if self.latency_ms else np.asarray([np.nan])
+        return {"requests": self.requests, "failed": self.failed, "failure_rate": self.failure_rate, "errors": self.errors,
+                "recovery_s": self.recovery_s, "p50_ms": float(np.median(lat)), "p99_ms": float(np.percentile(lat, 99)),
+                "failures_after_kill_s": [round(t, 2) for t in self.failure_times_s]}
+
+
+def kill_replica_under_load(url: str, body: dict, app: str, deployment: str, target_replicas: int, clients: int = 2,
+                            pause_s: float = 0.02, kill_after_s: float = 5.0, duration_s: float = 20.0,
+                            recovery_timeout_s: float = 120.0) -> DrillResult:
+    """Runs the drill against a deployed app; the load runs at least `duration_s` and until recovery."""
+    result = DrillResult()
+    lock = threading.Lock()
+    stop = threading.Event()
+    t_kill: list[float] = []
+
+    def client() -> None:
+        session = requests.Session()
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                response = session.post(url, json=body, timeout=60)
+                error = None if response.status_code == 200 else f"HTTP {response.status_code}"
+            except requests.RequestException as err:
+                error = type(err).__name__
+            elapsed = time.perf_counter() - t0
+            with lock:
+                result.requests += 1
+                if error:
+                    result.failed += 1
+                    result.errors[error] = result.errors.get(error, 0) + 1
+                    result.failure_times_s.append(time.perf_counter() - t_kill[0] if t_kill else -1.0)
+                else:
+                    result.latency_ms.append(1000 * elapsed)
+            time.sleep(pause_s)
+
+    before = replica_processes(app, deployment)
+    if len(before) != target_replicas:
+        raise RuntimeError(f"expected {target_replicas} replica processes of {app}:{deployment}, found {len(before)}")
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(kill_after_s)
+    victim = before[0]
+    result.killed_pid = victim.pid
+    t_kill.append(time.perf_counter())
+    os.kill(victim.pid, signal.SIGKILL)
+    while time.perf_counter() - t_kill[0] < recovery_timeout_s:
+        alive = [p.pid for p in replica_processes(app, deployment)]
+        if (victim.pid not in alive and len(alive) == target_replicas
+                and running_replicas(app, deployment) == target_replicas):
+            result.recovery_s = time.perf_counter() - t_kill[0]
+            break
+        time.sleep(0.1)
+    time.sleep(max(0.0, duration_s - (time.perf_counter() - start)))
+    stop.set()
+    for t in threads:
+        t.join(timeout=70)
+    return result
