@@ -20,6 +20,7 @@ import torch
 from hllm.baselines import first_style_scores
 from hllm.config import from_dict
 from hllm.decoding import DECODERS
+from hllm.evaluation import interleaved_latency
 from hllm.prompts import collate
 from hllm.ranker import SinglePassRanker
 from hllm.synthetic import SyntheticConfig, generate
@@ -43,27 +44,29 @@ def main() -> None:
     run = Path(args.run_dir)
     cfg = from_dict(JobConfig, {k: v for k, v in json.loads((run / "config.json").read_text()).items()
                                 if k in JobConfig.__dataclass_fields__})
-    ranker = SinglePassRanker.load(run / "student").eval()
+    ranker = SinglePassRanker.load(run / "student", merge_lora=True).eval()
     teacher_model = ranker.cfg.model  # the student's base is the teacher's weights
     teacher = load_teacher(teacher_model, cfg, torch.device("cpu"))
     rows = []
     for n in args.sizes:
         slates = generate(SyntheticConfig(slate_size=n, catalogue_size=max(3000, 40 * n), train_slates=1, val_slates=1,
-                                          test_slates=args.requests + 2, seed=1))[0]["test"]
-        t: dict[str, list[float]] = {k: [] for k in ["prefill", "head", "first_style", "ar_teacher", *DECODERS]}
-        for i, req in enumerate(slates):
-            batch = collate([ranker.prompts.encode(req, with_answer=False)], ranker.tokenizer.pad_token_id)
-            with torch.no_grad():
-                t_pre = timed(lambda: ranker.hidden_states(batch["input_ids"], batch["attention_mask"]))
-                holder = {}
-                t_full = timed(lambda: holder.setdefault("m", ranker(**batch)[0].float().numpy()))
-            matrix = holder["m"][:n, : min(n, holder["m"].shape[1])]
-            dec = {name: timed(lambda: fn(matrix)) for name, fn in DECODERS.items()}
-            t_first = timed(lambda: first_style_scores(teacher.model, teacher.prompts, [req]))
-            t_ar = timed(lambda: teacher.rank([req]))
-            if i >= 2:  # warm-up
-                for k, v in (("prefill", t_pre), ("head", t_full), ("first_style", t_first), ("ar_teacher", t_ar), *dec.items()):
-                    t[k].append(v)
+                                          test_slates=args.requests, seed=1))[0]["test"]
+        batches = {id(r): collate([ranker.prompts.encode(r, with_answer=False)], ranker.tokenizer.pad_token_id) for r in slates}
+        matrices = {}
+
+        def single(req):  # prefill + head; the decoders are timed apart below
+            m = ranker(**batches[id(req)])[0].float().numpy()
+            matrices[id(req)] = m[:n, : min(n, m.shape[1])]
+
+        methods = {"prefill": lambda req: ranker.hidden_states(batches[id(req)]["input_ids"], batches[id(req)]["attention_mask"]),
+                   "head": single,
+                   "first_style": lambda req: first_style_scores(teacher.model, teacher.prompts, [req]),
+                   "ar_teacher": lambda req: teacher.rank([req])}
+        with torch.no_grad():
+            lat = interleaved_latency(methods, slates, warmup=2)  # shuffled order per request
+        t = {k: [v["p50_ms"]] for k, v in lat.items()}
+        for name, fn in DECODERS.items():
+            t[name] = [timed(lambda: fn(m)) for m in matrices.values()]
         med = {k: float(np.median(v)) for k, v in t.items()}
         rows.append((n, med))
         print(f"N={n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()), flush=True)

@@ -10,6 +10,7 @@ timed for every method before request i+1), so machine noise hits all methods al
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -102,13 +103,17 @@ def evaluate_student(ranker, requests: Sequence[RerankRequest], teacher_perms: S
 def interleaved_latency(methods: dict[str, Callable[[RerankRequest], object]], requests: Sequence[RerankRequest],
                         warmup: int = 3) -> dict[str, dict[str, float]]:
     """-> {method: {p50_ms, p95_ms}} at batch size 1; request i is timed for every method before
-    request i + 1, so machine noise hits all methods alike. The first `warmup` requests are
+    request i + 1, so machine noise hits all methods alike. The order is shuffled per request
+    (seeded): whichever method runs right after the AR teacher's long generation pays ~2 ms of cold
+    caches, and a fixed order would always charge the same one. The first `warmup` requests are
     run but not counted."""
     reqs = list(requests)
     times: dict[str, list[float]] = {name: [] for name in methods}
+    order, rng = list(methods), random.Random(0)
     for i, req in enumerate(reqs[:warmup] + reqs):
-        for name, fn in methods.items():
-            t = _timed(lambda: fn(req))
+        rng.shuffle(order)
+        for name in order:
+            t = _timed(lambda: methods[name](req))
             if i >= warmup:
                 times[name].append(1000 * t)
     return {k: {"p50_ms": float(np.median(v)), "p95_ms": float(np.percentile(v, 95))} for k, v in times.items()}
@@ -123,23 +128,20 @@ def _timed(fn) -> float:
 @torch.no_grad()
 def latency_profile(ranker, teacher, requests: Sequence[RerankRequest], cfg: EvalConfig) -> dict[str, dict[str, float]]:
     """Per-request latency (ms, p50/p95) at batch size 1 for each method, measured interleaved."""
-    times: dict[str, list[float]] = {"tokenize": [], "bare_prefill": [], "single_pass": [], "ar_teacher": []}
-    reqs = list(requests)
-    for i, req in enumerate(reqs[: cfg.latency_warmup] + reqs[: cfg.latency_requests]):
-        t0 = time.perf_counter()
-        batch = {k: v.to(ranker.device) for k, v in
-                 collate([ranker.prompts.encode(req, with_answer=False)], ranker.tokenizer.pad_token_id).items()}
-        t_tok = time.perf_counter() - t0
-        t_pre = _timed(lambda: ranker.hidden_states(batch["input_ids"], batch["attention_mask"]))
+    reqs = list(requests[: cfg.latency_requests])
+    batches = {id(r): {k: v.to(ranker.device) for k, v in
+                       collate([ranker.prompts.encode(r, with_answer=False)], ranker.tokenizer.pad_token_id).items()}
+               for r in reqs}
 
-        def single_pass():
-            logits = ranker(**batch)[0].float().cpu().numpy()  # (N, K)
-            n = len(req.candidates)
-            assert is_permutation(DECODERS[cfg.main_decoder](logits[:n, :min(n, logits.shape[1])]).permutation, n)
+    def single_pass(req: RerankRequest) -> None:
+        logits = ranker(**batches[id(req)])[0].float().cpu().numpy()  # (N, K)
+        n = len(req.candidates)
+        assert is_permutation(DECODERS[cfg.main_decoder](logits[:n, :min(n, logits.shape[1])]).permutation, n)
 
-        t_single = _timed(single_pass)
-        t_ar = _timed(lambda: teacher.rank([req]))
-        if i >= cfg.latency_warmup:
-            for key, t in zip(times, (t_tok, t_pre, t_single, t_ar)):
-                times[key].append(1000 * t)
-    return {k: {"p50_ms": float(np.median(v)), "p95_ms": float(np.percentile(v, 95))} for k, v in times.items()}
+    methods = {
+        "tokenize": lambda req: collate([ranker.prompts.encode(req, with_answer=False)], ranker.tokenizer.pad_token_id),
+        "bare_prefill": lambda req: ranker.hidden_states(batches[id(req)]["input_ids"], batches[id(req)]["attention_mask"]),
+        "single_pass": single_pass,
+        "ar_teacher": lambda req: teacher.rank([req]),
+    }
+    return interleaved_latency(methods, reqs, cfg.latency_warmup)

@@ -126,6 +126,8 @@ class SinglePassRanker(nn.Module):
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:
         """`bundle_base` copies an `hf` base model into the directory, making it self-contained."""
+        if getattr(self, "merged", False):
+            raise ValueError("this ranker was loaded with merge_lora=True (for inference); save the unmerged one")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         cfg = to_dict(self.cfg)
@@ -140,7 +142,10 @@ class SinglePassRanker(nn.Module):
         (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
     @classmethod
-    def load(cls, directory: str | Path, dtype: str | None = None) -> "SinglePassRanker":
+    def load(cls, directory: str | Path, dtype: str | None = None, merge_lora: bool = False) -> "SinglePassRanker":
+        """`merge_lora` folds the adapter into the base weights (`merge_and_unload`): the same scores
+        up to float rounding, without the adapters' extra matmuls at inference. Such a ranker
+        cannot be saved or trained further."""
         directory = Path(directory)
         cfg = from_dict(RankerConfig, json.loads((directory / CONFIG_FILE).read_text()))
         model_cfg = cfg.model
@@ -153,6 +158,9 @@ class SinglePassRanker(nn.Module):
         model, tokenizer = load_backbone(model_cfg)
         if cfg.adapt.mode == "lora":
             model = PeftModel.from_pretrained(model, directory / "adapter")
+            if merge_lora:
+                model = model.merge_and_unload()
         ranker = cls(model, tokenizer, dataclasses.replace(cfg, model=model_cfg))
+        ranker.merged = merge_lora and cfg.adapt.mode == "lora"
         ranker.head.load_state_dict(load_file(directory / "head.safetensors"))
         return ranker.eval()

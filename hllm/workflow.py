@@ -224,7 +224,7 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: list[
 
 def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: list[RerankRequest],
                    test_rankings: list[TeacherRanking], device: torch.device) -> dict[str, Any]:
-    ranker = SinglePassRanker.load(student_dir).to(device)
+    ranker = SinglePassRanker.load(student_dir, merge_lora=True).to(device)  # evaluated as it is served
     teacher_perms = [r.permutation for r in test_rankings]
     report = {
         "first_stage": quality(test, [list(range(len(r.candidates))) for r in test], cfg.eval.binary_rel),

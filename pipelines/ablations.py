@@ -117,7 +117,7 @@ def measure_latency(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell]
     def single_pass(ranker):
         return lambda req: decode(ranker.score([req])[0])
 
-    rankers = {c.name: SinglePassRanker.load(cell_dir(cfg, c.name, seed)).to(teacher.model.device)
+    rankers = {c.name: SinglePassRanker.load(cell_dir(cfg, c.name, seed), merge_lora=True).to(teacher.model.device)
                for c in cells if (c.name, seed) in results}
     methods = {name: single_pass(r) for name, r in rankers.items()}
     methods["FIRST-style"] = lambda req: scores_to_perm(first_style_scores(teacher.model, teacher.prompts, [req])[0])

@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+import torch
 
 from hllm.decoding import is_permutation
 from hllm.heads import HeadConfig
+from hllm.models import load_backbone
 from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.training import LossConfig, TrainConfig, student_examples, train_student
 
@@ -49,6 +51,23 @@ def test_save_load_reproduces_scores_exactly(tmp_path, small_splits, mode):
     again = SinglePassRanker.load(tmp_path / "r").score(reqs)
     for a, b in zip(before, again):
         np.testing.assert_array_equal(a, b)
+
+
+def test_merged_lora_scores_like_the_adapter_and_refuses_to_save(tmp_path, small_splits):
+    ranker = build(mode="lora")
+    examples = student_examples(ranker.prompts, small_splits["train"][:8])
+    train_student(ranker, examples, TrainConfig(steps=3, batch_size=4, lr=1e-2, warmup_steps=1), LossConfig({"graded_ce": 1.0}))
+    ranker.save(tmp_path / "r")
+    reqs = small_splits["test"][:3]
+    merged = SinglePassRanker.load(tmp_path / "r", merge_lora=True)
+    assert not any("lora_" in n for n, _ in merged.backbone.named_parameters())
+    for a, m in zip(ranker.score(reqs), merged.score(reqs)):
+        np.testing.assert_allclose(m, a, atol=1e-4)
+    base, _ = load_backbone(ranker.cfg.model)
+    name = next(n for n, _ in base.named_parameters() if "q_proj" in n)
+    assert not torch.equal(dict(merged.backbone.named_parameters())[name], dict(base.named_parameters())[name])  # merged in
+    with pytest.raises(ValueError, match="merge_lora"):
+        merged.save(tmp_path / "again")
 
 
 def test_trainable_parameters_follow_the_adaptation():

@@ -10,8 +10,6 @@ import torch
 
 from hllm.models import ModelConfig, load_backbone, save_backbone
 
-from conftest import TINY
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -96,7 +96,7 @@ def test_schema_and_order(app, path, student_dir):
     assert all(res["document"]["text"] == DOCS[res["index"]] for res in out["results"])
     assert out["meta"]["decoder"] == "hungarian"
     # the same ranking as the library gives for this request
-    ranker = SinglePassRanker.load(student_dir)
+    ranker = SinglePassRanker.load(student_dir, merge_lora=True)  # as the app loads it
     req = RerankRequest(Query("request", "red leather boots"), [Candidate(str(i), d) for i, d in enumerate(DOCS)])
     expected = hungarian(ranker.score([req])[0]).permutation[:3]
     assert [res["index"] for res in out["results"]] == list(expected)
