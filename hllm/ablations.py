@@ -313,7 +313,7 @@ def plot_reports(rows: list[Row], decoders: list[dict[str, Any]], latency_by_n: 
         ax.barh(range(len(rows)), np.nan_to_num(means), xerr=np.nan_to_num(cis), color=colors, capsize=3)
         ax.set_yticks(range(len(rows)), labels)
         ax.set_title(label)
-        ax.invert_yaxis()
+    axes.flat[0].invert_yaxis()  # the y axis is shared: once puts the reference on top everywhere
     fig.tight_layout()
     paths.append(out_dir / f"{name}_metrics.png")
     fig.savefig(paths[-1], dpi=110)

@@ -103,16 +103,17 @@ def evaluate_student(ranker, requests: Sequence[RerankRequest], teacher_perms: S
 def interleaved_latency(methods: dict[str, Callable[[RerankRequest], object]], requests: Sequence[RerankRequest],
                         warmup: int = 3) -> dict[str, dict[str, float]]:
     """-> {method: {p50_ms, p95_ms}} at batch size 1; request i is timed for every method before
-    request i + 1, so machine noise hits all methods alike. The order is shuffled per request
-    (seeded): whichever method runs right after the AR teacher's long generation pays ~2 ms of cold
-    caches, and a fixed order would always charge the same one. The first `warmup` requests are
-    run but not counted."""
+    request i + 1, so machine noise hits all methods alike. Each timed call comes right after an
+    untimed call of the same method on the same request: whichever method follows the AR teacher's
+    long generation otherwise pays ~2 ms of cold caches (a replica serving one method does not), and
+    the order is shuffled per request (seeded). The first `warmup` requests are run but not counted."""
     reqs = list(requests)
     times: dict[str, list[float]] = {name: [] for name in methods}
     order, rng = list(methods), random.Random(0)
     for i, req in enumerate(reqs[:warmup] + reqs):
         rng.shuffle(order)
         for name in order:
+            methods[name](req)  # warm: caches and allocator back in this method's state
             t = _timed(lambda: methods[name](req))
             if i >= warmup:
                 times[name].append(1000 * t)
