@@ -52,7 +52,9 @@ class AblationConfig:
     axes: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # axis -> variant -> {dotted key: value}
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     confidence: float = 0.95
-    latency_requests: int = 20  # per method, batch 1, interleaved across all cells and baselines
+    # latency: per method, batch 1, interleaved across all cells (the first seed's model) and baselines;
+    # the driver holds every cell's student at once, so set 0 to skip it for large backbones
+    latency_requests: int = 20
     latency_sizes: list[int] = field(default_factory=lambda: [5, 10, 20, 40])  # latency against N
     latency_size_requests: int = 8
     cpus_per_cell: float = 1.0  # Ray resources of one cell x seed task
@@ -254,7 +256,8 @@ def markdown_report(rows: list[Row], decoders: list[dict[str, Any]], latency_by_
     lines = [f"# Ablations ({meta['cells']} cells × {meta['seeds']} seeds, main decoder {meta['main_decoder']})", "",
              f"Test split: {meta['test_slates']} slates of N = {meta['slate_size']}. Mean ± {conf}% CI (Student t over "
              "seeds); baselines are deterministic given the teacher. Latency: batch 1, p50/p95 over "
-             f"{meta['latency_requests']} requests, every method timed on the same request before the next.", "",
+             f"{meta['latency_requests']} requests (each cell's first-seed model), every method timed on the same request "
+             "before the next.", "",
              "| variant | axis | seeds | " + " | ".join(label for label, _ in METRICS) + " |",
              "| --- | --- | ---: |" + " ---: |" * len(METRICS)]
     for r in rows:

@@ -76,6 +76,7 @@ class SinglePassRanker(nn.Module):
     def __init__(self, backbone: nn.Module, tokenizer, cfg: RankerConfig):
         super().__init__()
         self.backbone, self.tokenizer, self.cfg = backbone, tokenizer, cfg
+        self.merged = False  # True once LoRA is folded into the base weights (inference only)
         lm = _causal_lm(backbone)
         self.body = lm.get_decoder()  # decoder stack; LoRA layers are injected in place
         self.head = build_head(lm.config.hidden_size, cfg.head).to(next(lm.parameters()).dtype)
@@ -126,7 +127,7 @@ class SinglePassRanker(nn.Module):
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:
         """`bundle_base` copies an `hf` base model into the directory, making it self-contained."""
-        if getattr(self, "merged", False):
+        if self.merged:
             raise ValueError("this ranker was loaded with merge_lora=True (for inference); save the unmerged one")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

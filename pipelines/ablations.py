@@ -111,6 +111,8 @@ def measure_latency(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell]
     from hllm.evaluation import interleaved_latency
     from hllm.ranker import SinglePassRanker
 
+    if grid.latency_requests == 0:
+        return {}, {}
     decode = DECODERS[cfg.eval.main_decoder]
     seed = grid.seeds[0]
 

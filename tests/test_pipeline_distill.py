@@ -47,11 +47,17 @@ def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
     assert {"student/head.safetensors", "student/hllm_ranker.json", "student/adapter"} <= artifacts
 
 
+def _has_checkpoint(snapshot: Path) -> bool:
+    try:
+        return bool(json.loads(snapshot.read_text()).get("checkpoint_results"))
+    except (OSError, json.JSONDecodeError):  # Ray rewrites the file in place: a read may catch it half written
+        return False
+
+
 def _kill_one_worker_after_first_checkpoint(storage: Path, killed: list):
     deadline = time.time() + 600
     # the controller writes its snapshot once it has registered a checkpoint: kill after that
-    while time.time() < deadline and not any(
-            json.loads(p.read_text()).get("checkpoint_results") for p in storage.rglob("checkpoint_manager_snapshot.json")):
+    while time.time() < deadline and not any(_has_checkpoint(p) for p in storage.rglob("checkpoint_manager_snapshot.json")):
         time.sleep(0.2)
     for proc in psutil.process_iter(["cmdline"]):
         if any("RayTrainWorker" in part for part in (proc.info["cmdline"] or [])):
