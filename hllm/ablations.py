@@ -160,7 +160,9 @@ def baseline_metrics(requests: Sequence[RerankRequest], perms: Sequence[list[int
     sizes = [len(r.candidates) for r in requests]
     scored = [p if p is not None else list(range(n)) for p, n in zip(perms, sizes)]
     by_qid = ir_metrics_per_query(requests, scored)
-    return {**quality(requests, scored, rel), **agreement(perms, teacher_perms), "validity": validity_rate(perms, sizes),
+    measured = quality(requests, scored, rel)
+    mrr = next(v for k, v in measured.items() if k.startswith("RR("))
+    return {**measured, "MRR": mrr, **agreement(perms, teacher_perms), "validity": validity_rate(perms, sizes),
             "per_query": [by_qid.get(r.slate_id, float("nan")) for r in requests]}
 
 

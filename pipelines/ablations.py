@@ -186,9 +186,8 @@ def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = N
             decoders += decoder_comparison(cell.name, per_seed, main, grid.confidence)
     for name, m in base.items():
         lat = latency.get(name, {"p50_ms": float("nan"), "p95_ms": float("nan")})
-        metrics = {key: (m.get(key, float("nan")), float("nan")) for key in
-                   ("nDCG@1", "nDCG@5", "nDCG@10", "kendall_tau", "top1_agreement", "validity")}
-        metrics["MRR"] = (next(v for k, v in m.items() if k.startswith("RR(")), float("nan"))
+        metrics = {key: (m[key], float("nan")) for key in
+                   ("nDCG@1", "nDCG@5", "nDCG@10", "MRR", "kendall_tau", "top1_agreement", "validity")}
         metrics["latency_p50_ms"], metrics["latency_p95_ms"] = (lat["p50_ms"], float("nan")), (lat["p95_ms"], float("nan"))
         rows.append(Row(name, "baseline", "", "", 1, metrics))
 
@@ -235,9 +234,8 @@ def log_children(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell], r
     for name, m in base.items():
         c = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, run_name=f"baseline/{name}"))
         with mlflow_run(c, "ablation-baseline", parent_id, **{"ablation.variant": name, "ablation.kind": "baseline"}):
-            mrr = next(v for k, v in m.items() if k.startswith("RR("))
             lat = latency.get(name, {})
-            log_metrics({**{k: v for k, v in m.items() if k != "per_query" and not k.startswith("RR(")}, "MRR": mrr,
+            log_metrics({**{k: v for k, v in m.items() if k != "per_query" and not k.startswith("RR(")},
                          "latency_p50_ms": lat.get("p50_ms", float("nan")), "latency_p95_ms": lat.get("p95_ms", float("nan"))})
 
 
