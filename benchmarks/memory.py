@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import psutil
+from bench import local_ray, write_report  # benchmarks/ is on sys.path when run as a script
 
 PORT = 8133
 
@@ -51,9 +52,8 @@ def serve_replica(student: Path, docs: list[int], requests_n: int) -> list[tuple
 
     from serve.app import AppArgs, Reranker
     from serve.faults import replica_processes
-    from serve_load import bodies, load  # benchmarks/ is on sys.path when run as a script
+    from serve_load import bodies, load
 
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(Reranker.options(num_replicas=1).bind(AppArgs(model_dir=str(student.resolve()), threads=1, max_documents=max(docs)).model_dump()),
               name="hllm", route_prefix="/")
     (proc,) = replica_processes("hllm", "Reranker")
@@ -105,15 +105,13 @@ def main() -> None:
     parser.add_argument("--docs", type=int, nargs="+", default=[20, 100])
     args = parser.parse_args()
     run = Path(args.run_dir)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    local_ray(serve_port=PORT)
     rows = serve_replica(run / "student", args.docs, args.requests) + train_worker(run, args.train_steps)
     ray.shutdown()
     weights = sum(f.stat().st_size for f in (run / "teacher" / "model").glob("*.safetensors")) / 2**20
     text = (f"Student backbone weights on disk: {weights:.1f} MiB (safetensors). RSS includes the Python, torch and Ray "
             "runtime of each process.\n\n| process | MiB |\n| --- | ---: |\n" + "\n".join(f"| {k} | {v:.0f} |" for k, v in rows) + "\n")
-    print(text)
-    Path("reports").mkdir(exist_ok=True)
-    Path("reports/memory.md").write_text("# Peak memory\n\n" + text)
+    write_report("memory", "Peak memory", text)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serve_load import bodies  # benchmarks/ is on sys.path when run as a script
+    from bench import local_ray, write_report  # benchmarks/ is on sys.path when run as a script
+    from serve_load import bodies
     from serve.app import AppArgs, Reranker
     from serve.faults import kill_replica_under_load
 
@@ -31,8 +32,7 @@ def main() -> None:
     parser.add_argument("--kill-after", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=40.0)
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    local_ray(serve_port=PORT)
     dep = Reranker.options(num_replicas=2, ray_actor_options={"num_cpus": 1})
     serve.run(dep.bind(AppArgs(model_dir=str(Path(args.model_dir).resolve()), threads=1).model_dump()), name="hllm", route_prefix="/")
     result = kill_replica_under_load(f"http://127.0.0.1:{PORT}/v1/rerank", bodies(args.docs, 1)[0], "hllm", "Reranker",
@@ -45,9 +45,7 @@ def main() -> None:
             "| ---: | ---: | ---: | ---: | ---: | ---: | --- |\n"
             f"| {s['requests']} | {s['failed']} | {100 * s['failure_rate']:.2f}% | {recovery} | "
             f"{s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {json.dumps(s['errors'])} |\n")
-    print(text)
-    Path("reports").mkdir(exist_ok=True)
-    Path("reports/replica_failure.md").write_text("# Replica failure under load\n\n" + text)
+    write_report("replica_failure", "Replica failure under load", text)
     serve.shutdown()
     ray.shutdown()
 

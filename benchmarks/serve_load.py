@@ -65,6 +65,7 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from bench import local_ray, write_report
     from serve.app import AppArgs, Reranker
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,8 +74,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--docs", type=int, default=20)
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    local_ray(serve_port=PORT)
     payloads = bodies(args.docs, args.requests)
     app_args = AppArgs(model_dir=str(Path(args.model_dir).resolve()), threads=1).model_dump()
     rows = {}
@@ -109,10 +109,7 @@ def main() -> None:
     lines.append(f"\nbatching / no batching throughput: **{rows['batching']['rps'] / rows['no batching']['rps']:.2f}x**")
     lines.append(f"replicas during the burst: started at {seen[0] if seen else '?'}, max {max(seen) if seen else '?'} "
                  f"(samples: {seen[:: max(1, len(seen) // 20)]})")
-    text = "\n".join(lines)
-    print(text)
-    Path("reports").mkdir(exist_ok=True)
-    Path("reports/serve_load.md").write_text("# Serve load test\n\n" + text + "\n")
+    write_report("serve_load", "Serve load test", "\n".join(lines))
     serve.shutdown()
     ray.shutdown()
 

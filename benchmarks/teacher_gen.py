@@ -14,6 +14,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+from bench import write_report  # benchmarks/ is on sys.path when run as a script
 from hllm.config import load_config
 from hllm.evaluation import evaluate_teacher
 from hllm.workflow import load_splits, load_teacher, prepare_teacher, resolve_device
@@ -48,10 +49,7 @@ def main() -> None:
         report = evaluate_teacher(splits["test"], teacher.rank(splits["test"]), cfg.eval.binary_rel)
         lines.append(f"| {'constrained' if constrained else 'free'} | {report['validity']:.3f} | {report['nDCG@10']:.4f} | "
                      f"{report['parse_wrong_format']:.3f} | {report['parse_repeated']:.3f} | {report['parse_missing']:.3f} |")
-    text = "\n".join(lines)
-    print(text)
-    Path("reports").mkdir(exist_ok=True)
-    Path("reports/teacher_gen.md").write_text("# Teacher generation\n\n" + text + "\n")
+    write_report("teacher_gen", "Teacher generation", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-from hllm.ablations import (REFERENCE, AblationConfig, Cell, aggregate, baseline_metrics, decoder_comparison,  # noqa: E402
-                            expand_cells, flat_metrics, markdown_report, plot_reports, scores_to_perm, slates_of_size,
-                            train_cell, with_seed, write_csv, Row)
+from hllm.ablations import (REFERENCE, AblationConfig, Cell, Row, aggregate, baseline_metrics,  # noqa: E402
+                            decoder_comparison, expand_cells, flat_metrics, markdown_report, plot_reports,
+                            scores_to_perm, slates_of_size, train_cell, with_seed, write_csv)
 from hllm.config import from_dict, load_config, to_dict  # noqa: E402
 from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
 

@@ -1,0 +1,28 @@
+"""What the benchmark scripts share: a local Ray (+ Serve on loopback) and the report they write.
+
+Scripts run as `python benchmarks/<name>.py`, which puts this folder on sys.path: `from bench import ...`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def local_ray(serve_port: int | None = None) -> None:
+    """A local Ray with 4 logical CPUs and no dashboard; Serve's HTTP proxy on 127.0.0.1 when a port is given."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if serve_port is not None:
+        from ray import serve
+
+        serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
+
+
+def write_report(name: str, title: str, text: str) -> Path:
+    """Prints `text` and writes it as `reports/<name>.md` under `# title`."""
+    print(text)
+    path = Path("reports") / f"{name}.md"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"# {title}\n\n{text.rstrip()}\n")
+    return path
