@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hllm import Reranker
 from hllm.baselines import first_style_scores
 from hllm.config import from_dict
 from hllm.decoding import DECODERS
-from hllm.evaluation import interleaved_latency
-from hllm.prompts import collate
-from hllm.ranker import SinglePassRanker
+from hllm.evaluation import interleaved_latency, single_pass_methods
+from hllm.job import JobConfig
+from hllm.stages import load_teacher
 from hllm.synthetic import SyntheticConfig, generate
-from hllm.workflow import JobConfig, load_teacher
 
 
 def timed(fn) -> float:
@@ -44,21 +44,20 @@ def main() -> None:
     run = Path(args.run_dir)
     cfg = from_dict(JobConfig, {k: v for k, v in json.loads((run / "config.json").read_text()).items()
                                 if k in JobConfig.__dataclass_fields__})
-    ranker = SinglePassRanker.load(run / "student", merge_lora=True).eval()
-    teacher_model = ranker.cfg.model  # the student's base is the teacher's weights
+    reranker = Reranker.load(run / "student", device="cpu")  # LoRA merged, as served
+    teacher_model = reranker.model.cfg.model  # the student's base is the teacher's weights
     teacher = load_teacher(teacher_model, cfg, torch.device("cpu"))
     rows = []
     for n in args.sizes:
         slates = generate(SyntheticConfig(slate_size=n, catalogue_size=max(3000, 40 * n), train_slates=1, val_slates=1,
                                           test_slates=args.requests, seed=1))[0]["test"]
-        batches = {id(r): collate([ranker.prompts.encode(r, with_answer=False)], ranker.tokenizer.pad_token_id) for r in slates}
+        prompts = {id(r): reranker.encode_slate(r) for r in slates}
         matrices = {}
 
         def single(req):  # prefill + head; the decoders are timed apart below
-            m = ranker(**batches[id(req)])[0].float().numpy()
-            matrices[id(req)] = m[:n, : min(n, m.shape[1])]
+            matrices[id(req)] = reranker.score_encoded([prompts[id(req)]])[0]
 
-        methods = {"prefill": lambda req: ranker.hidden_states(batches[id(req)]["input_ids"], batches[id(req)]["attention_mask"]),
+        methods = {"prefill": single_pass_methods(reranker, prompts)["bare_prefill"],
                    "head": single,
                    "first_style": lambda req: first_style_scores(teacher.model, teacher.prompts, [req]),
                    "ar_teacher": lambda req: teacher.rank([req])}

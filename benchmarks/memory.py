@@ -50,11 +50,11 @@ def serve_replica(student: Path, docs: list[int], requests_n: int) -> list[tuple
     import requests
     from ray import serve
 
-    from serve.app import AppArgs, Reranker
+    from serve.app import AppArgs, RerankDeployment
     from serve.faults import replica_processes
     from serve_load import bodies, load
 
-    serve.run(Reranker.options(num_replicas=1).bind(AppArgs(model_dir=str(student.resolve()), threads=1, max_documents=max(docs)).model_dump()),
+    serve.run(RerankDeployment.options(num_replicas=1).bind(AppArgs(model=str(student.resolve()), threads=1, max_documents=max(docs)).model_dump()),
               name="hllm", route_prefix="/")
     (proc,) = replica_processes("hllm", "Reranker")
     rows = [("serve replica: loaded, idle (RSS)", rss_mb(proc.pid))]
@@ -69,6 +69,7 @@ def serve_replica(student: Path, docs: list[int], requests_n: int) -> list[tuple
 
 def train_worker(run_dir: Path, steps: int) -> list[tuple[str, float]]:
     from hllm.config import from_dict
+    from hllm.job import student_ranker_config
     from hllm.models import ModelConfig
     from pipelines import distill
     from pipelines.common import PipelineConfig
@@ -81,12 +82,13 @@ def train_worker(run_dir: Path, steps: int) -> list[tuple[str, float]]:
                                   distill=dataclasses.replace(cfg.distill, checkpoint_every=steps))
         teacher = from_dict(ModelConfig, {**dataclasses.asdict(cfg.teacher.model), "preset": "hf",
                                           "path": str((run_dir / "teacher" / "model").resolve())})
-        rankings = max((run_dir / "rankings").glob("train-*"), key=lambda p: p.stat().st_mtime)
+        rankings = {split: max((run_dir / "rankings").glob(f"{split}-*"), key=lambda p: p.stat().st_mtime)
+                    for split in ("train", "val")}
         peaks: dict[int, float] = {}
         stop = threading.Event()
         watcher = threading.Thread(target=watch_peaks, args=("RayTrainWorker", stop, peaks))
         watcher.start()
-        result = distill.train(cfg, cfg.distill, teacher, rankings)
+        result = distill.train(cfg, student_ranker_config(cfg, teacher), rankings["train"], rankings["val"])
         stop.set()
         watcher.join()
         if result.error:

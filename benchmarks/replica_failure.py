@@ -22,7 +22,7 @@ def main() -> None:
 
     from bench import local_ray, write_report  # benchmarks/ is on sys.path when run as a script
     from serve_load import bodies
-    from serve.app import AppArgs, Reranker
+    from serve.app import AppArgs, RerankDeployment
     from serve.faults import kill_replica_under_load
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,8 +33,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=40.0)
     args = parser.parse_args()
     local_ray(serve_port=PORT)
-    dep = Reranker.options(num_replicas=2, ray_actor_options={"num_cpus": 1})
-    serve.run(dep.bind(AppArgs(model_dir=str(Path(args.model_dir).resolve()), threads=1).model_dump()), name="hllm", route_prefix="/")
+    dep = RerankDeployment.options(num_replicas=2, ray_actor_options={"num_cpus": 1})
+    serve.run(dep.bind(AppArgs(model=str(Path(args.model_dir).resolve()), threads=1).model_dump()), name="hllm", route_prefix="/")
     result = kill_replica_under_load(f"http://127.0.0.1:{PORT}/v1/rerank", bodies(args.docs, 1)[0], "hllm", "Reranker",
                                      target_replicas=2, clients=args.clients, kill_after_s=args.kill_after, duration_s=args.duration)
     s = result.summary()

@@ -66,7 +66,7 @@ def main() -> None:
     from ray import serve
 
     from bench import local_ray, write_report
-    from serve.app import AppArgs, Reranker
+    from serve.app import AppArgs, RerankDeployment
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True)
@@ -76,16 +76,16 @@ def main() -> None:
     args = parser.parse_args()
     local_ray(serve_port=PORT)
     payloads = bodies(args.docs, args.requests)
-    app_args = AppArgs(model_dir=str(Path(args.model_dir).resolve()), threads=1).model_dump()
+    app_args = AppArgs(model=str(Path(args.model_dir).resolve()), threads=1).model_dump()
     rows = {}
     # 1) one replica, latency alone (concurrency 1), then throughput without and with batching
     for name, batch, conc in (("sequential", 8, 1), ("no batching", 1, args.concurrency), ("batching", 8, args.concurrency)):
-        dep = Reranker.options(num_replicas=1, user_config={"max_batch_size": batch, "batch_wait_timeout_s": 0.005})
+        dep = RerankDeployment.options(num_replicas=1, user_config={"max_batch_size": batch, "batch_wait_timeout_s": 0.005})
         serve.run(dep.bind(app_args), name="hllm", route_prefix="/")
         load(payloads[:10], 2)  # warm-up
         rows[name] = load(payloads, conc)
     # 2) autoscaling: 1 -> 2 replicas under a burst
-    dep = Reranker.options(num_replicas="auto", autoscaling_config={
+    dep = RerankDeployment.options(num_replicas="auto", autoscaling_config={
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,
         "downscale_delay_s": 60, "metrics_interval_s": 0.5, "look_back_period_s": 2},
         user_config={"max_batch_size": 8, "batch_wait_timeout_s": 0.005})

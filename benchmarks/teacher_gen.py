@@ -12,14 +12,16 @@ import argparse
 import dataclasses
 import logging
 import tempfile
-from pathlib import Path
 
 from bench import write_report  # benchmarks/ is on sys.path when run as a script
 from hllm.config import load_config
 from hllm.evaluation import evaluate_teacher
-from hllm.workflow import load_splits, load_teacher, prepare_teacher, resolve_device
+from hllm.job import add_config_args
+from hllm.models import resolve_device
+from hllm.splits import load_splits
+from hllm.stages import bootstrap_teacher_stage, load_teacher, teacher_rankings_stage
 from pipelines import teacher_gen
-from pipelines.common import PipelineConfig, add_config_args
+from pipelines.common import PipelineConfig
 
 
 def main() -> None:
@@ -30,13 +32,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     splits = load_splits(cfg.data)
-    teacher_model = prepare_teacher(cfg, splits, resolve_device(cfg.device))
+    teacher_model = bootstrap_teacher_stage(cfg, splits["train"], resolve_device(cfg.device))
     slates = splits["train"][: args.slates]
     rows = []
     for actors in (1, 2):
-        run_cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, teacher_actors=actors))
-        with tempfile.TemporaryDirectory() as out:
-            stats = teacher_gen.generate(run_cfg, teacher_model, slates, Path(out))
+        with tempfile.TemporaryDirectory() as out:  # a fresh store: every slate is ranked
+            run_cfg = dataclasses.replace(cfg, output_dir=out, cluster=dataclasses.replace(cfg.cluster, teacher_actors=actors))
+            stats = teacher_rankings_stage(run_cfg, teacher_model, "bench", slates, teacher_gen.ray_ranker(run_cfg, teacher_model)).stats
         rows.append((actors, stats["slates_per_s"], stats["output_tokens_per_s"], stats["seconds"]))
     lines = ["| actors | slates/s | output tokens/s | seconds |", "| ---: | ---: | ---: | ---: |"]
     lines += [f"| {a} | {s:.2f} | {t:.0f} | {sec:.1f} |" for a, s, t, sec in rows]

@@ -1,21 +1,21 @@
 """The ablation study as data: a grid of variants of the job config, cells trained and evaluated
-on one teacher's rankings, and the statistics and reports that compare them.
+on one teacher's rankings, and the statistics that compare them.
 
 A grid (YAML, `AblationConfig`) names axes; each variant of an axis is a set of dotted overrides
 of the job config, which itself is the reference cell. Cells vary one axis at a time from the
 reference (the paper's study); a variant that should cross two axes says so in its overrides
-(`{student.ranker.head.kind: linear, student.ranker.head.positions: 10}`). Variants may change
+(`{student.head.kind: linear, student.head.positions: 10}`). Variants may change
 only the student and its evaluation: every cell reuses the same teacher rankings.
 
 Each cell runs once per seed. Metrics are reported as mean and a Student-t confidence interval over
 seeds; decoders are compared paired, on the same score matrices of each seed. The Ray job that
-schedules cells and logs them to MLflow is `pipelines/ablations.py`; everything here is plain.
+schedules cells and logs them to MLflow is `pipelines/ablations.py`, and its reports (Markdown,
+CSV, plots) come from `pipelines/reports.py`; everything here is plain.
 """
 
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
 import math
 import time
@@ -29,20 +29,22 @@ import torch
 from scipy import stats
 
 from hllm.config import ConfigError, from_dict, set_dotted, to_dict
-from hllm.evaluation import decoder_report, quality, score_matrices
+from hllm.evaluation import evaluate_student, quality
+from hllm.job import student_ranker_config
 from hllm.metrics import agreement, ir_metrics_per_query, validity_rate
 from hllm.models import ModelConfig
-from hllm.ranker import SinglePassRanker
-from hllm.records import Candidate, Query, RerankRequest
-from hllm.training import student_examples, train_student
+from hllm.records import Candidate, Query, RankedSlate, RerankRequest
+from hllm.reranker import Reranker
+from hllm.stages import train_student_model
 
 REFERENCE = "reference"
 # table columns: (label, key in a cell's flat metrics); the same names go to MLflow
 METRICS: list[tuple[str, str]] = [
-    ("nDCG@1", "nDCG@1"), ("nDCG@5", "nDCG@5"), ("nDCG@10", "nDCG@10"), ("MRR", "MRR"),
+    ("nDCG@1", "nDCG@1"), ("nDCG@5", "nDCG@5"), ("nDCG@10", "nDCG@10"), ("MRR@10", "MRR@10"),
     ("Kendall τ", "kendall_tau"), ("top-1 agr.", "top1_agreement"), ("validity", "validity"),
     ("p50 ms", "latency_p50_ms"), ("p95 ms", "latency_p95_ms"), ("rank-1 energy", "rank1_energy"),
 ]
+QUALITY = ("nDCG@1", "nDCG@5", "nDCG@10", "MRR@10", "kendall_tau", "top1_agreement", "validity")  # cells and baselines
 
 
 @dataclass
@@ -130,40 +132,39 @@ def with_seed(config: Any, seed: int) -> Any:
 
 
 # ---- one cell -------------------------------------------------------------------------------------
-def train_cell(config: Any, teacher_model: ModelConfig, train: list[RerankRequest], train_perms: list[list[int] | None],
-               test: list[RerankRequest], test_perms: list[list[int] | None], out_dir: Path,
-               device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Trains one cell x seed (the library trainer, same loss step as the Ray Train worker),
-    saves the student to `out_dir` and evaluates every decoder on the test matrices.
-    -> {"decoders", "per_query", "history", "train_s", "examples"}."""
-    from hllm.workflow import student_config  # the job module imports this one's siblings only
-
-    torch.manual_seed(config.seed)  # the head's initialisation
-    ranker = SinglePassRanker.build(student_config(config, teacher_model)).to(device)
-    examples = student_examples(ranker.prompts, train, train_perms)
-    if config.student.loss.needs_teacher:
-        examples = [e for e in examples if e.perm is not None]
+def train_cell(config: Any, teacher_model: ModelConfig, train: list[RankedSlate], val: list[RankedSlate],
+               test: list[RankedSlate], out_dir: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Trains one cell x seed with the student stage's own trainer (`train_student_model`: the same
+    filter, parameter groups and loop as every other path), saves it to `out_dir` and evaluates every
+    decoder on the test matrices through the `Reranker` path.
+    -> {"decoders", "matrix", "per_query", "history", "train_s", "examples"}."""
+    rcfg = student_ranker_config(config, teacher_model)
     t0 = time.perf_counter()
-    history = train_student(ranker, examples, config.student.train, config.student.loss)
+    ranker, history, dropped = train_student_model(rcfg, config.student, train, val, device)
     train_s = time.perf_counter() - t0
     ranker.save(out_dir)
-    ranker.eval()
-    report, per_query = decoder_report(test, score_matrices(ranker, test), test_perms, config.eval)
-    return {"decoders": report, "per_query": per_query, "history": history, "train_s": train_s,
-            "examples": len(examples)}
+    slates = [t.slate for t in test]
+    evaluation = evaluate_student(Reranker(ranker), slates, [t.ranking.permutation for t in test], config.eval)
+    return {**dataclasses.asdict(evaluation), "history": history, "train_s": train_s, "examples": len(train) - dropped}
 
 
 # ---- baselines -----------------------------------------------------------------------------------
+@dataclass
+class Baseline:
+    """A ranking method without a trained head, on the same test slates as the cells."""
+
+    metrics: dict[str, float]  # canonical IR metrics, agreement to the teacher, validity
+    per_query: list[float]  # nDCG@10 per slate
+
+
 def baseline_metrics(requests: Sequence[RerankRequest], perms: Sequence[list[int] | None],
-                     teacher_perms: Sequence[list[int] | None], rel: int) -> dict[str, Any]:
+                     teacher_perms: Sequence[list[int] | None], rel: int) -> Baseline:
     """Quality (unparseable answers scored as the input order), agreement, validity, per-query nDCG@10."""
     sizes = [len(r.candidates) for r in requests]
     scored = [p if p is not None else list(range(n)) for p, n in zip(perms, sizes)]
     by_qid = ir_metrics_per_query(requests, scored)
-    measured = quality(requests, scored, rel)
-    mrr = next(v for k, v in measured.items() if k.startswith("RR("))
-    return {**measured, "MRR": mrr, **agreement(perms, teacher_perms), "validity": validity_rate(perms, sizes),
-            "per_query": [by_qid.get(r.slate_id, float("nan")) for r in requests]}
+    return Baseline({**quality(requests, scored, rel), **agreement(perms, teacher_perms), "validity": validity_rate(perms, sizes)},
+                    [by_qid.get(r.slate_id, float("nan")) for r in requests])
 
 
 def scores_to_perm(scores: np.ndarray) -> list[int]:
@@ -196,13 +197,10 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
     return float(x.mean()), float(stats.t.ppf(0.5 + confidence / 2, len(x) - 1) * sem), len(x)
 
 
-def flat_metrics(decoders: dict[str, dict], decoder: str) -> dict[str, float]:
-    """One decoder's metrics under the table's names (MRR from the trec_eval RR key)."""
-    d = decoders[decoder]
-    mrr = next((v for k, v in d.items() if k.startswith("RR(")), float("nan"))
-    return {"nDCG@1": d["nDCG@1"], "nDCG@5": d["nDCG@5"], "nDCG@10": d["nDCG@10"], "MRR": mrr,
-            "kendall_tau": d["kendall_tau"], "top1_agreement": d["top1_agreement"], "validity": d["validity"],
-            "rank1_energy": decoders.get("matrix", {}).get("rank1_energy_mean", float("nan"))}
+def flat_metrics(result: dict[str, Any], decoder: str) -> dict[str, float]:
+    """One cell x seed result -> the table's metrics for `decoder` (the keys of `METRICS`)."""
+    d = result["decoders"][decoder]
+    return {**{key: d[key] for key in QUALITY}, "rank1_energy": result["matrix"]["rank1_energy_mean"]}
 
 
 @dataclass
@@ -212,7 +210,7 @@ class Row:
     variant: str
     kind: str  # "cell" or "baseline"
     axes: str
-    decoder: str
+    decoder: str | None  # None for a baseline
     seeds: int
     metrics: dict[str, tuple[float, float]]  # key -> (mean, CI half-width)
 
@@ -220,7 +218,7 @@ class Row:
 def aggregate(name: str, axes: str, per_seed: list[dict[str, Any]], decoder: str, latency: dict[str, float],
               confidence: float) -> Row:
     """Seeds of one cell -> a Row for `decoder` (latency is per cell, measured once)."""
-    flats = [flat_metrics(r["decoders"], decoder) for r in per_seed]
+    flats = [flat_metrics(r, decoder) for r in per_seed]
     metrics = {key: mean_ci([f[key] for f in flats], confidence)[:2] for key in flats[0]}
     metrics["latency_p50_ms"] = (latency.get("p50_ms", float("nan")), float("nan"))
     metrics["latency_p95_ms"] = (latency.get("p95_ms", float("nan")), float("nan"))
@@ -233,8 +231,6 @@ def decoder_comparison(name: str, per_seed: list[dict[str, Any]], main: str, con
     slates where the decoder returns exactly main's permutation, and its time per matrix."""
     out = []
     for dec in per_seed[0]["decoders"]:
-        if dec == "matrix":
-            continue
         deltas = [float(np.nanmean(np.subtract(r["per_query"][dec], r["per_query"][main]))) for r in per_seed]
         delta, delta_ci, _ = mean_ci(deltas, confidence)
         ndcg, ndcg_ci, _ = mean_ci([r["decoders"][dec]["nDCG@10"] for r in per_seed], confidence)
@@ -243,116 +239,3 @@ def decoder_comparison(name: str, per_seed: list[dict[str, Any]], main: str, con
                                                                           for r in per_seed])),
                     "decode_ms": float(np.mean([r["decoders"][dec]["decode_ms"] for r in per_seed]))})
     return out
-
-
-# ---- reports -------------------------------------------------------------------------------------
-def _fmt(mean: float, ci: float, digits: int = 4) -> str:
-    if mean != mean:
-        return "–"
-    return f"{mean:.{digits}f}" + ("" if ci != ci else f" ± {ci:.{digits}f}")
-
-
-def markdown_report(rows: list[Row], decoders: list[dict[str, Any]], latency_by_n: dict[int, dict[str, dict]],
-                    meta: dict[str, Any], failures: list[dict[str, Any]]) -> str:
-    conf = int(round(100 * meta["confidence"]))
-    lines = [f"# Ablations ({meta['cells']} cells × {meta['seeds']} seeds, main decoder {meta['main_decoder']})", "",
-             f"Test split: {meta['test_slates']} slates of N = {meta['slate_size']}. Mean ± {conf}% CI (Student t over "
-             "seeds); baselines are deterministic given the teacher. Latency: batch 1, p50/p95 over "
-             f"{meta['latency_requests']} requests (each cell's first-seed model), every method timed on the same request "
-             "before the next.", "",
-             "| variant | axis | seeds | " + " | ".join(label for label, _ in METRICS) + " |",
-             "| --- | --- | ---: |" + " ---: |" * len(METRICS)]
-    for r in rows:
-        cells = [_fmt(*r.metrics.get(key, (float("nan"), float("nan"))), digits=1 if key.startswith("latency") else 4)
-                 for _, key in METRICS]
-        name = f"**{r.variant}**" if r.variant == REFERENCE else r.variant
-        lines.append(f"| {name} | {r.axes or ('baseline' if r.kind == 'baseline' else '')} | {r.seeds} | " + " | ".join(cells) + " |")
-    lines += ["", f"## Decoders on the same matrices (paired; Δ = nDCG@10 − {meta['main_decoder']}'s, per seed, then mean ± {conf}% CI)",
-              "", "| variant | decoder | nDCG@10 | Δ vs main | same permutation as main | decode ms |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for d in decoders:
-        lines.append(f"| {d['variant']} | {d['decoder']} | {_fmt(d['nDCG@10'], d['nDCG@10_ci'])} | "
-                     f"{_fmt(d['delta_vs_main'], d['delta_ci'])} | {100 * d['same_as_main']:.1f}% | {d['decode_ms']:.3f} |")
-    if latency_by_n:
-        lines += ["", "## Latency against N (p50 ms, batch 1)", "", "| N | " + " | ".join(next(iter(latency_by_n.values()))) + " |",
-                  "| ---: |" + " ---: |" * len(next(iter(latency_by_n.values())))]
-        for n, methods in latency_by_n.items():
-            lines.append(f"| {n} | " + " | ".join(f"{m['p50_ms']:.1f}" for m in methods.values()) + " |")
-    if failures:
-        lines += ["", f"## Failed cells ({len(failures)})", ""] + [f"- {f['variant']} seed {f['seed']}: {f['error']}" for f in failures]
-    return "\n".join(lines) + "\n"
-
-
-def write_csv(rows: list[Row], decoders: list[dict[str, Any]], path: Path) -> None:
-    """One line per (variant, decoder): every metric's mean and CI half-width."""
-    keys = [key for _, key in METRICS]
-    extra = {(d["variant"], d["decoder"]): d for d in decoders}
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["variant", "kind", "axes", "decoder", "seeds", *[f"{k}{s}" for k in keys for s in ("", "_ci")],
-                    "delta_ndcg10_vs_main", "delta_ci", "same_as_main", "decode_ms"])
-        for r in rows:
-            d = extra.get((r.variant, r.decoder), {})
-            w.writerow([r.variant, r.kind, r.axes, r.decoder, r.seeds,
-                        *[v for k in keys for v in r.metrics.get(k, (float("nan"), float("nan")))],
-                        d.get("delta_vs_main", ""), d.get("delta_ci", ""), d.get("same_as_main", ""), d.get("decode_ms", "")])
-
-
-def plot_reports(rows: list[Row], decoders: list[dict[str, Any]], latency_by_n: dict[int, dict[str, dict]],
-                 out_dir: Path, name: str) -> list[Path]:
-    """PNGs: each metric by variant with its CI; decoder Δ by cell; latency against N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    shown = [("nDCG@10", "nDCG@10"), ("nDCG@1", "nDCG@1"), ("MRR", "MRR"), ("Kendall τ", "kendall_tau"),
-             ("top-1 agr.", "top1_agreement"), ("p50 ms", "latency_p50_ms")]
-    labels = [r.variant for r in rows]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 0.35 * len(rows) + 4), sharey=True)
-    for ax, (label, key) in zip(axes.flat, shown):
-        means = [r.metrics.get(key, (np.nan, np.nan))[0] for r in rows]
-        cis = [r.metrics.get(key, (np.nan, np.nan))[1] for r in rows]
-        colors = ["tab:gray" if r.kind == "baseline" else "tab:blue" for r in rows]
-        ax.barh(range(len(rows)), np.nan_to_num(means), xerr=np.nan_to_num(cis), color=colors, capsize=3)
-        ax.set_yticks(range(len(rows)), labels)
-        ax.set_title(label)
-    axes.flat[0].invert_yaxis()  # the y axis is shared: once puts the reference on top everywhere
-    fig.tight_layout()
-    paths.append(out_dir / f"{name}_metrics.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    cells = sorted({d["variant"] for d in decoders}, key=labels.index)
-    decs = list(dict.fromkeys(d["decoder"] for d in decoders))
-    fig, ax = plt.subplots(figsize=(10, 0.4 * len(cells) * len(decs) / 2 + 3))
-    height = 0.8 / len(decs)
-    for j, dec in enumerate(decs):
-        rows_d = {d["variant"]: d for d in decoders if d["decoder"] == dec}
-        ax.barh([i + j * height for i in range(len(cells))], [rows_d[c]["delta_vs_main"] for c in cells], height,
-                xerr=[np.nan_to_num(rows_d[c]["delta_ci"]) for c in cells], label=dec, capsize=2)
-    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(cells))], cells)
-    ax.axvline(0, color="black", linewidth=0.8)
-    ax.set_xlabel("Δ nDCG@10 vs the main decoder (paired, same matrices)")
-    ax.invert_yaxis()
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / f"{name}_decoders.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    if latency_by_n:
-        sizes = list(latency_by_n)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for method in next(iter(latency_by_n.values())):
-            ax.plot(sizes, [latency_by_n[n][method]["p50_ms"] for n in sizes], marker="o", label=method)
-        ax.set_xlabel("N candidates")
-        ax.set_ylabel("latency p50 per request (ms)")
-        ax.set_yscale("log")
-        ax.legend()
-        fig.tight_layout()
-        paths.append(out_dir / f"{name}_latency_vs_n.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths

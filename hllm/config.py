@@ -49,7 +49,9 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node = tree
     parts = dotted.split(".")
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # an unset optional section (e.g. `student.model`) is created
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
     node[parts[-1]] = value

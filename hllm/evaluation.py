@@ -20,8 +20,9 @@ import torch
 
 from hllm.decoding import DECODERS, is_permutation, rank1_energy
 from hllm.metrics import agreement, ir_measure_names, ir_metrics, ir_metrics_per_query, validity_rate
-from hllm.prompts import collate
+from hllm.prompts import EncodedPrompt
 from hllm.records import ParseCounts, RerankRequest, TeacherRanking
+from hllm.reranker import Reranker
 
 
 @dataclass
@@ -30,7 +31,7 @@ class EvalConfig:
 
     decoders: list[str] = field(default_factory=lambda: list(DECODERS))
     main_decoder: str = "hungarian"
-    binary_rel: int = 2  # MRR / Recall count grade >= this as relevant
+    binary_rel: int = 2  # MRR@10 / R@10 count grade >= this as relevant
     latency_requests: int = 20
     latency_warmup: int = 3
 
@@ -38,10 +39,17 @@ class EvalConfig:
         unknown = sorted(set(self.decoders + [self.main_decoder]) - set(DECODERS))
         if unknown:
             raise ValueError(f"eval.decoders: unknown {unknown}; known: {sorted(DECODERS)}")
+        if self.main_decoder not in self.decoders:
+            raise ValueError(f"eval.main_decoder {self.main_decoder!r} must be one of eval.decoders {self.decoders}")
 
 
 def quality(requests: Sequence[RerankRequest], perms: Sequence[Sequence[int]], rel: int) -> dict[str, float]:
+    """Canonical IR metrics (`hllm.metrics.ir_measure_names`) of permutations of the slates."""
     return ir_metrics(requests, perms, ir_measure_names(rel))
+
+
+def first_stage_order(requests: Sequence[RerankRequest]) -> list[list[int]]:
+    return [list(range(len(r.candidates))) for r in requests]
 
 
 def evaluate_teacher(requests: Sequence[RerankRequest], rankings: Sequence[TeacherRanking], rel: int) -> dict:
@@ -55,22 +63,20 @@ def evaluate_teacher(requests: Sequence[RerankRequest], rankings: Sequence[Teach
             "unparsed_scored_as_input_order": sum(r.permutation is None for r in rankings)}
 
 
-def score_matrices(ranker, requests: Sequence[RerankRequest], batch_size: int = 32) -> list[np.ndarray]:
-    """-> per request the (n, min(K, n)) score matrix, scored in batches."""
-    matrices: list[np.ndarray] = []
-    for start in range(0, len(requests), batch_size):
-        matrices += ranker.score(list(requests[start: start + batch_size]))
-    return matrices
+@dataclass
+class StudentEval:
+    """Every decoder on the same score matrices of the test slates."""
+
+    decoders: dict[str, dict[str, float]]  # decoder -> canonical IR metrics, agreement, validity, timings
+    matrix: dict[str, float]  # properties of the matrices themselves (rank-1 energy)
+    per_query: dict[str, list[float]]  # decoder -> nDCG@10 per slate, in slate order (paired comparisons)
 
 
 def decoder_report(requests: Sequence[RerankRequest], matrices: Sequence[np.ndarray],
-                   teacher_perms: Sequence[list[int] | None], cfg: EvalConfig) -> tuple[dict[str, dict], dict[str, list]]:
-    """Every decoder on the same matrices -> ({decoder: metrics, "matrix": ...}, {decoder: per-query nDCG@10}).
-
-    Per decoder: IR metrics, agreement to the teacher, validity, the share of slates decoded to
-    exactly the main decoder's permutation, and the decoder's own time per matrix.
-    """
-    out, per_query, perms_by = {}, {}, {}
+                   teacher_perms: Sequence[list[int] | None], cfg: EvalConfig) -> StudentEval:
+    """Per decoder: IR metrics, agreement to the teacher, validity, the share of slates decoded to
+    exactly the main decoder's permutation, and the decoder's own time per matrix."""
+    decoders, per_query, perms_by = {}, {}, {}
     for name in cfg.decoders:
         t0 = time.perf_counter()
         decoded = [DECODERS[name](m) for m in matrices]
@@ -78,26 +84,25 @@ def decoder_report(requests: Sequence[RerankRequest], matrices: Sequence[np.ndar
         perms = perms_by[name] = [d.permutation.tolist() for d in decoded]
         by_qid = ir_metrics_per_query(requests, perms)
         per_query[name] = [by_qid.get(r.slate_id, float("nan")) for r in requests]
-        out[name] = {
+        decoders[name] = {
             **quality(requests, perms, cfg.binary_rel),
             **agreement(perms, teacher_perms),
             "validity": validity_rate(perms, [len(r.candidates) for r in requests]),
             "repaired": float(np.mean([d.repaired for d in decoded])),
             "decode_ms": decode_ms,
         }
-    main = perms_by.get(cfg.main_decoder)
+    main = perms_by[cfg.main_decoder]
     for name, perms in perms_by.items():
-        if main is not None:
-            out[name]["same_as_main"] = float(np.mean([p == q for p, q in zip(perms, main)]))
+        decoders[name]["same_as_main"] = float(np.mean([p == q for p, q in zip(perms, main)]))
     energy = [rank1_energy(m) for m in matrices]
-    out["matrix"] = {"rank1_energy_mean": float(np.mean(energy)), "rank1_energy_p10": float(np.percentile(energy, 10))}
-    return out, per_query
+    matrix = {"rank1_energy_mean": float(np.mean(energy)), "rank1_energy_p10": float(np.percentile(energy, 10))}
+    return StudentEval(decoders, matrix, per_query)
 
 
-def evaluate_student(ranker, requests: Sequence[RerankRequest], teacher_perms: Sequence[list[int] | None],
-                     cfg: EvalConfig, batch_size: int = 32) -> dict[str, dict]:
+def evaluate_student(reranker: Reranker, requests: Sequence[RerankRequest], teacher_perms: Sequence[list[int] | None],
+                     cfg: EvalConfig) -> StudentEval:
     """Scores once, then compares every decoder on the same matrices."""
-    return decoder_report(requests, score_matrices(ranker, requests, batch_size), teacher_perms, cfg)[0]
+    return decoder_report(requests, reranker.score_slates(requests), teacher_perms, cfg)
 
 
 def interleaved_latency(methods: dict[str, Callable[[RerankRequest], object]], requests: Sequence[RerankRequest],
@@ -126,23 +131,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-@torch.no_grad()
-def latency_profile(ranker, teacher, requests: Sequence[RerankRequest], cfg: EvalConfig) -> dict[str, dict[str, float]]:
+def single_pass_methods(reranker: Reranker, prompts: dict[int, EncodedPrompt], decoder: str | None = None
+                        ) -> dict[str, Callable[[RerankRequest], object]]:
+    """The bare prefill and the single pass (prefill + head + decoder) of already-encoded requests
+    (keyed by `id(request)`), both through the `Reranker` path that Serve runs."""
+    def single_pass(req: RerankRequest) -> None:
+        decoded = reranker.decode(reranker.score_encoded([prompts[id(req)]])[0], decoder)
+        assert is_permutation(decoded.permutation, len(req.candidates))
+
+    return {"bare_prefill": lambda req: reranker.prefill([prompts[id(req)]]), "single_pass": single_pass}
+
+
+def latency_profile(reranker: Reranker, teacher, requests: Sequence[RerankRequest], cfg: EvalConfig) -> dict[str, dict[str, float]]:
     """Per-request latency (ms, p50/p95) at batch size 1 for each method, measured interleaved."""
     reqs = list(requests[: cfg.latency_requests])
-    batches = {id(r): {k: v.to(ranker.device) for k, v in
-                       collate([ranker.prompts.encode(r, with_answer=False)], ranker.tokenizer.pad_token_id).items()}
-               for r in reqs}
-
-    def single_pass(req: RerankRequest) -> None:
-        logits = ranker(**batches[id(req)])[0].float().cpu().numpy()  # (N, K)
-        n = len(req.candidates)
-        assert is_permutation(DECODERS[cfg.main_decoder](logits[:n, :min(n, logits.shape[1])]).permutation, n)
-
-    methods = {
-        "tokenize": lambda req: collate([ranker.prompts.encode(req, with_answer=False)], ranker.tokenizer.pad_token_id),
-        "bare_prefill": lambda req: ranker.hidden_states(batches[id(req)]["input_ids"], batches[id(req)]["attention_mask"]),
-        "single_pass": single_pass,
-        "ar_teacher": lambda req: teacher.rank([req]),
-    }
-    return interleaved_latency(methods, reqs, cfg.latency_warmup)
+    prompts = {id(r): reranker.encode_slate(r) for r in reqs}
+    methods = {"tokenize": reranker.encode_slate, **single_pass_methods(reranker, prompts, cfg.main_decoder),
+               "ar_teacher": lambda req: teacher.rank([req])}
+    with torch.inference_mode():
+        return interleaved_latency(methods, reqs, cfg.latency_warmup)

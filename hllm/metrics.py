@@ -12,7 +12,7 @@ computed here; Kendall tau comes from scipy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import ir_measures
 import numpy as np
@@ -21,8 +21,10 @@ from scipy.stats import kendalltau
 from hllm.records import RerankRequest
 
 
-def ir_measure_names(rel: int = 1, depths: Sequence[int] = (1, 5, 10)) -> list[str]:
-    return [*(f"nDCG@{k}" for k in depths), f"RR(rel={rel})@10", f"R(rel={rel})@10"]
+def ir_measure_names(rel: int = 1, depths: Sequence[int] = (1, 5, 10)) -> dict[str, str]:
+    """Canonical metric names (the keys every report carries) -> ir_measures measure strings;
+    MRR and Recall count grade >= `rel` as relevant."""
+    return {**{f"nDCG@{k}": f"nDCG@{k}" for k in depths}, "MRR@10": f"RR(rel={rel})@10", "R@10": f"R(rel={rel})@10"}
 
 
 def _qrels_and_run(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]]):
@@ -39,13 +41,15 @@ def _qrels_and_run(requests: Sequence[RerankRequest], permutations: Sequence[Seq
 
 
 def ir_metrics(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],
-               measures: Sequence[str] | None = None) -> dict[str, float]:
-    """Mean over judged queries, like trec_eval without -c. Keys are the measure strings."""
-    measures = list(measures or ir_measure_names())
+               measures: Mapping[str, str] | Sequence[str] | None = None) -> dict[str, float]:
+    """Mean over judged queries, like trec_eval without -c. `measures` maps the names to report
+    to measure strings (default `ir_measure_names()`); a plain list reports under the strings."""
+    measures = measures or ir_measure_names()
+    named = dict(measures) if isinstance(measures, Mapping) else {m: m for m in measures}
     qrels, run = _qrels_and_run(requests, permutations)
-    parsed = [ir_measures.parse_measure(m) for m in measures]
-    agg = ir_measures.calc_aggregate(parsed, qrels, run)
-    return {m: float(agg[p]) for m, p in zip(measures, parsed)}
+    parsed = {name: ir_measures.parse_measure(m) for name, m in named.items()}
+    agg = ir_measures.calc_aggregate(list(parsed.values()), qrels, run)
+    return {name: float(agg[p]) for name, p in parsed.items()}
 
 
 def ir_metrics_per_query(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],

@@ -127,6 +127,13 @@ def load_backbone(cfg: ModelConfig):
     return model, tokenizer
 
 
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> CUDA where available, else CPU; otherwise the named device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def save_backbone(model, tokenizer, directory: str | Path) -> None:
     """Saves as safetensors + tokenizer files, reloadable with preset `hf`."""
     model.save_pretrained(directory, safe_serialization=True)

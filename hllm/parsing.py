@@ -26,7 +26,6 @@ _LOOSE_ID = re.compile(r"(?:passage|document|doc|item|candidate)\s*#?\s*(\d+)", 
 class ParsedRanking:
     permutation: list[int] | None  # 0-based, best first
     counts: ParseCounts  # this one output's flags (total == 1)
-    ids: list[int]  # the 1-based ids as read, before any repair
 
 
 def extract_ids(text: str) -> tuple[list[int], bool]:
@@ -57,7 +56,7 @@ def parse_ranking(text: str, n: int, repair: bool = False) -> ParsedRanking:
         perm = [i - 1 for i in unique] + [i for i in range(n) if i + 1 not in seen]
     else:
         perm = None
-    return ParsedRanking(perm, counts, ids)
+    return ParsedRanking(perm, counts)
 
 
 def format_ranking(permutation: list[int]) -> str:

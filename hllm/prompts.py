@@ -9,13 +9,14 @@ single-pass head reads the hidden state. The chat template is used when the toke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import jinja2
 import torch
 
-from hllm.records import RerankRequest
+from hllm.records import Candidate, RerankRequest
 
 SYSTEM = ("You are RankLLM, an intelligent assistant that can rank passages based on their "
           "relevancy to the query.")
@@ -124,18 +125,24 @@ class PromptBuilder:
 
     def encode(self, request: RerankRequest, with_answer: bool = True) -> EncodedPrompt:
         """`with_answer` reserves room for the teacher's generated ranking."""
-        n = len(request.candidates)
-        if n == 0:
+        if not request.candidates:
             raise ValueError(f"slate {request.slate_id!r} has no candidates")
-        query_ids = _ids(self.tokenizer, request.query.text)
+        return self.encode_texts(request.query.text, [document_text(c) for c in request.candidates], with_answer)
+
+    def encode_texts(self, query: str, documents: Sequence[str], with_answer: bool = True) -> EncodedPrompt:
+        """A query and its documents (in first-stage order) -> the prompt's tokens and item positions."""
+        n = len(documents)
+        if n == 0:
+            raise ValueError("no documents to rank")
+        query_ids = _ids(self.tokenizer, query)
         query_truncated = len(query_ids) > self.cfg.max_query_tokens
-        query = self.tokenizer.decode(query_ids[: self.cfg.max_query_tokens]) if query_truncated else request.query.text
+        if query_truncated:
+            query = self.tokenizer.decode(query_ids[: self.cfg.max_query_tokens])
         template = TEMPLATES[self.cfg.template]
         head = self._before + _ids(self.tokenizer, template.prefix.format(num=n, query=query))
         tail = _ids(self.tokenizer, template.suffix.format(num=n, query=query)) + self._after
         budget = self.doc_budget(n, len(head) + len(tail), with_answer)
-        texts = [" " + (f"{c.title}: {c.text}" if c.title else c.text) for c in request.candidates]
-        docs = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        docs = self.tokenizer([" " + d for d in documents], add_special_tokens=False)["input_ids"]
         ids, positions, cut = list(head), [], 0
         for i, doc in enumerate(docs, start=1):
             cut += len(doc) > budget
@@ -143,6 +150,11 @@ class PromptBuilder:
             positions.append(len(ids) - 1)
             ids += self._newline
         return EncodedPrompt(ids + tail, positions, cut, query_truncated)
+
+
+def document_text(candidate: Candidate) -> str:
+    """What the prompt shows of a candidate: `title: text`, or the text alone."""
+    return f"{candidate.title}: {candidate.text}" if candidate.title else candidate.text
 
 
 def collate(prompts: list[EncodedPrompt], pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:

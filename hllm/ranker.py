@@ -1,7 +1,8 @@
 """The single-pass ranker: backbone (+ LoRA) prefill -> item hidden states -> head -> N x K matrix.
 
 One forward pass of the backbone's decoder body (no LM head, no generation) per batch of slates;
-the head reads the hidden state at the last token of every candidate. Saved as a directory:
+the head reads the hidden state at the last token of every candidate. This module is the model
+(build, train, save, load); inference goes through `hllm.reranker.Reranker`. Saved as a directory:
 
     hllm_ranker.json     model / adapt / head / prompt configs (the base-model reference)
     adapter/             peft LoRA adapter (safetensors), when adapt.mode == "lora"
@@ -19,18 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hllm.config import from_dict, to_dict
-from hllm.decoding import DECODERS, Decoded
 from hllm.heads import HeadConfig, build_head
 from hllm.models import ModelConfig, load_backbone, save_backbone
-from hllm.prompts import EncodedPrompt, PromptBuilder, PromptConfig, collate
-from hllm.records import RerankRequest
+from hllm.prompts import PromptBuilder, PromptConfig
 
 CONFIG_FILE = "hllm_ranker.json"
 
@@ -101,28 +99,6 @@ class SinglePassRanker(nn.Module):
         idx = item_positions[:, :, None].expand(-1, -1, h.shape[-1])  # (B, N, D)
         items = h.gather(1, idx).to(next(self.head.parameters()).dtype)  # (B, N, D)
         return self.head(items, item_mask)  # (B, N, K)
-
-    def encode(self, requests: list[RerankRequest]) -> dict[str, torch.Tensor]:
-        batch = collate([self.prompts.encode(r, with_answer=False) for r in requests], self.tokenizer.pad_token_id)
-        return {k: v.to(self.device) for k, v in batch.items()}
-
-    @torch.no_grad()
-    def score_prompts(self, prompts: list[EncodedPrompt]) -> list[np.ndarray]:
-        """One forward pass for already-encoded prompts -> per prompt an (n, min(K, n)) matrix."""
-        batch = {k: v.to(self.device) for k, v in collate(prompts, self.tokenizer.pad_token_id).items()}
-        logits = self(**batch).float().cpu().numpy()  # (B, N, K)
-        out = []
-        for row, prompt in enumerate(prompts):
-            n = len(prompt.item_positions)
-            out.append(logits[row, :n, : min(n, logits.shape[2])])
-        return out
-
-    def score(self, requests: list[RerankRequest]) -> list[np.ndarray]:
-        """One forward pass for all requests -> per request an (n, min(K, n)) float32 matrix."""
-        return self.score_prompts([self.prompts.encode(r, with_answer=False) for r in requests])
-
-    def rank(self, requests: list[RerankRequest], decoder: str = "hungarian") -> list[Decoded]:
-        return [DECODERS[decoder](m) for m in self.score(requests)]
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:

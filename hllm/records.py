@@ -90,14 +90,15 @@ class TeacherRanking:
     output_tokens: int = 0
     latency_s: float = 0.0
     windows: list[list[int]] = field(default_factory=list)  # sliding windows used, if any
+    node: str = ""  # provenance: the worker (Ray node id) that generated it, where one is known
 
 
 @dataclass
-class TrainingExample:
-    """One slate with its training signals: the teacher's permutation and/or graded labels."""
+class RankedSlate:
+    """A slate with its teacher ranking: one row of the rankings store (`hllm.store`)."""
 
-    request: RerankRequest
-    teacher_permutation: list[int] | None = None
+    slate: RerankRequest
+    ranking: TeacherRanking
 
 
 def record_to_dict(record: Any) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Single-process training: the student's loss step and the teacher bootstrap, without Ray.
 
-The Ray Train stage reuses `student_batch` and `student_loss` inside its `train_func`; here
-`train_student` / `bootstrap_teacher` run the same math in one process with a torch AdamW.
+One loop (`train_loop`) serves every path: the student in one process (`train_student`, a torch
+AdamW), the student on Ray Train workers (the same loop, stepping a DeepSpeed engine passed in by
+`pipelines/distill.py`), and the teacher bootstrap.
 
 Teacher bootstrap: no pretrained ranker can be downloaded for the embedded default, so the tiny
 causal LM is fine-tuned to *write* the gold ranking `[3] > [1] > ...</s>` after the prompt. With
@@ -15,16 +16,16 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from hllm.losses import LOSSES, NEG, listnet_kl, mixed_loss
 from hllm.parsing import format_ranking
 from hllm.prompts import EncodedPrompt, PromptBuilder, collate
-from hllm.records import RerankRequest
+from hllm.records import RankedSlate, RerankRequest
 
 
 @dataclass
@@ -76,6 +77,93 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
+# ---- the one training loop ----------------------------------------------------------------------
+class Optimizer(Protocol):
+    """What `train_loop` steps: backward of a loss, one optimiser step (clip, update, schedule)."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> None: ...
+    @property
+    def lr(self) -> float: ...
+
+
+def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], cfg: TrainConfig):
+    """-> (torch AdamW over the trainable parameters of each (params, lr) group, its schedule)."""
+    params = [{"params": [p for p in ps if p.requires_grad], "lr": lr} for ps, lr in groups]
+    opt = torch.optim.AdamW([g for g in params if g["params"]], weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+
+class TorchOptimizer:
+    """AdamW + warm-up/cosine schedule + gradient clipping, in one process (the default)."""
+
+    def __init__(self, groups: list[tuple[list[torch.nn.Parameter], float]], cfg: TrainConfig):
+        self.opt, self.sched = make_optimizer(groups, cfg)
+        self.params = [p for g in self.opt.param_groups for p in g["params"]]
+        self.clip = cfg.grad_clip
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]
+
+
+def train_loop(loss_fn: Callable[[list], tuple[torch.Tensor, dict]], chunks: Iterator[list], optimizer: Optimizer,
+               cfg: TrainConfig, device_type: str, *, start_step: int = 0,
+               validate: Callable[[], dict[str, float]] | None = None,
+               log: Callable[[int, dict], None] | None = None,
+               on_step: Callable[[dict, bool], None] | None = None,
+               agree: Callable[[bool], bool] = lambda stop: stop) -> list[dict]:
+    """The one training loop: chunk -> loss (bf16 autocast if asked) -> backward -> step.
+
+    Every `cfg.log_every` steps and at the end, `validate()` adds held-out metrics to the row and
+    `log` sees it. `on_step(row, last)` runs after every step (checkpoints, tracking). Past
+    `cfg.time_budget_s` the loop stops early and says so; `agree` turns one process's wish to stop
+    into every worker's decision (an all-reduce under data parallelism). -> history rows."""
+    history: list[dict] = []
+    t0 = time.perf_counter()
+    for step in range(start_step, cfg.steps):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+            loss, parts = loss_fn(next(chunks))
+        optimizer.backward(loss)
+        optimizer.step()
+        row = {"step": step + 1, "loss": float(loss.detach()), "lr": optimizer.lr,
+               "elapsed_s": time.perf_counter() - t0, **parts}
+        stop = agree(bool(cfg.time_budget_s and row["elapsed_s"] > cfg.time_budget_s))
+        last = stop or step + 1 == cfg.steps
+        if stop and step + 1 < cfg.steps:
+            row["stopped_early"] = True
+        if (step + 1) % cfg.log_every == 0 or last:
+            if validate:
+                row.update(validate())
+            if log:
+                log(step + 1, row)
+        history.append(row)
+        if on_step:
+            on_step(row, last)
+        if last:
+            break
+    return history
+
+
+def batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:
+    """Endless shuffled batches, reshuffled each epoch."""
+    rng = random.Random(seed)
+    order = list(range(len(examples)))
+    while True:
+        rng.shuffle(order)
+        for start in range(0, len(order) - batch_size + 1 or 1, batch_size):
+            yield [examples[i] for i in order[start: start + batch_size]]
+
+
 # ---- student ----------------------------------------------------------------------------------
 @dataclass
 class StudentExample:
@@ -84,14 +172,17 @@ class StudentExample:
     grades: list[int] | None
 
 
-def student_examples(builder: PromptBuilder, requests: list[RerankRequest],
-                     teacher_perms: list[list[int] | None] | None = None) -> list[StudentExample]:
-    perms = teacher_perms or [None] * len(requests)
-    return [StudentExample(builder.encode(r, with_answer=False), p, r.grades) for r, p in zip(requests, perms)]
+def student_examples(builder: PromptBuilder, ranked: Sequence[RankedSlate], loss_cfg: LossConfig
+                     ) -> tuple[list[StudentExample], int]:
+    """Slates with their teacher rankings -> (examples, dropped). The one filter: when a loss term
+    needs the teacher's permutation, slates without one (unparseable, not repaired) are dropped."""
+    keep = [r for r in ranked if r.ranking.permutation is not None or not loss_cfg.needs_teacher]
+    return [StudentExample(builder.encode(r.slate, with_answer=False), r.ranking.permutation, r.slate.grades)
+            for r in keep], len(ranked) - len(keep)
 
 
-def student_batch(examples: list[StudentExample], pad_id: int) -> dict[str, torch.Tensor]:
-    """-> prompt tensors + perm (B, N) and grades (B, N), both padded with -1."""
+def student_batch(examples: list[StudentExample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """-> prompt tensors + perm (B, N) and grades (B, N), both padded with -1, on `device`."""
     batch = collate([e.prompt for e in examples], pad_id)
     n = batch["item_mask"].shape[1]
     perm = torch.full((len(examples), n), -1, dtype=torch.long)
@@ -102,7 +193,7 @@ def student_batch(examples: list[StudentExample], pad_id: int) -> dict[str, torc
         if e.grades is not None:
             grades[row, : len(e.grades)] = torch.tensor([-1 if g is None else g for g in e.grades])
     batch["perm"], batch["grades"] = perm, grades
-    return batch
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def student_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_cfg: LossConfig):
@@ -111,56 +202,37 @@ def student_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_cf
     return mixed_loss(logits, batch["item_mask"], loss_cfg.terms, perm=batch["perm"], grades=batch["grades"])
 
 
-def batches(examples: list, batch_size: int, seed: int):
-    """Endless shuffled batches, reshuffled each epoch."""
-    rng = random.Random(seed)
-    order = list(range(len(examples)))
-    while True:
-        rng.shuffle(order)
-        for start in range(0, len(order) - batch_size + 1 or 1, batch_size):
-            yield [examples[i] for i in order[start: start + batch_size]]
+def param_groups(ranker, cfg: TrainConfig) -> list[tuple[list[torch.nn.Parameter], float]]:
+    """The student's optimiser groups: the backbone (LoRA or all of it) at `lr`, the head at `head_lr`."""
+    return [(list(ranker.backbone.parameters()), cfg.lr), (list(ranker.head.parameters()), cfg.head_lr or cfg.lr)]
 
 
-def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], cfg: TrainConfig):
-    params = [{"params": [p for p in ps if p.requires_grad], "lr": lr} for ps, lr in groups]
-    opt = torch.optim.AdamW([g for g in params if g["params"]], weight_decay=cfg.weight_decay)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-
-
-def run_loop(step_fn: Callable[[list], tuple[torch.Tensor, dict]], params, examples: list, cfg: TrainConfig,
-             log: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """The one training loop: batches -> loss -> backward -> clip -> step. -> history rows."""
-    torch.manual_seed(cfg.seed)
-    opt, sched = make_optimizer(params, cfg)
-    trainable = [p for g in opt.param_groups for p in g["params"]]
-    device_type = trainable[0].device.type
-    history, t0 = [], time.perf_counter()
-    for step, chunk in zip(range(cfg.steps), batches(examples, cfg.batch_size, cfg.seed)):
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-            loss, parts = step_fn(chunk)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-        opt.step()
-        sched.step()
-        row = {"step": step + 1, "loss": float(loss.detach()), "lr": sched.get_last_lr()[0],
-               "elapsed_s": time.perf_counter() - t0, **parts}
-        history.append(row)
-        if log and ((step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps):
-            log(step + 1, row)
-        if cfg.time_budget_s and row["elapsed_s"] > cfg.time_budget_s:
-            history[-1]["stopped_early"] = True
-            break
-    return history
+@torch.no_grad()
+def validation_loss(ranker, examples: list[StudentExample], loss_cfg: LossConfig, batch_size: int = 32) -> dict[str, float]:
+    """Mean student loss over held-out examples (no gradient); {} when there are none."""
+    if not examples:
+        return {}
+    was_training = ranker.training
+    ranker.eval()
+    total = 0.0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start: start + batch_size]
+        loss, _ = student_loss(ranker, student_batch(chunk, ranker.tokenizer.pad_token_id, ranker.device), loss_cfg)
+        total += float(loss) * len(chunk)
+    ranker.train(was_training)
+    return {"val_loss": total / len(examples)}
 
 
 def train_student(ranker, examples: list[StudentExample], cfg: TrainConfig, loss_cfg: LossConfig,
-                  log: Callable[[int, dict], None] | None = None) -> list[dict]:
+                  val: list[StudentExample] | None = None, log: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """In one process, with a torch AdamW. -> history rows (with `val_loss` where `val` is given)."""
+    torch.manual_seed(cfg.seed)
     ranker.train()
     pad = ranker.tokenizer.pad_token_id
-    groups = [(list(ranker.backbone.parameters()), cfg.lr), (list(ranker.head.parameters()), cfg.head_lr or cfg.lr)]
-    history = run_loop(lambda chunk: student_loss(ranker, {k: v.to(ranker.device) for k, v in student_batch(chunk, pad).items()}, loss_cfg),
-                       groups, examples, cfg, log)
+    history = train_loop(lambda chunk: student_loss(ranker, student_batch(chunk, pad, ranker.device), loss_cfg),
+                         batches(examples, cfg.batch_size, cfg.seed), TorchOptimizer(param_groups(ranker, cfg), cfg),
+                         cfg, ranker.device.type, validate=(lambda: validation_loss(ranker, val, loss_cfg)) if val else None,
+                         log=log)
     ranker.eval()
     return history
 
@@ -315,13 +387,12 @@ def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankReques
     pad = builder.tokenizer.pad_token_id
     grades = grade_token_ids(builder.tokenizer) if cfg.grade_weight else None
     n_max = max(len(r.candidates) for r in requests)
-    ids = id_token_ids(builder.tokenizer, n_max) if cfg.id_weight else None
-    ids = ids if (cfg.id_weight or cfg.listwise_weight) else None
-    if cfg.listwise_weight and ids is None:
-        ids = id_token_ids(builder.tokenizer, n_max)
+    ids = id_token_ids(builder.tokenizer, n_max) if (cfg.id_weight or cfg.listwise_weight) else None
     step_fn = lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight, ids,  # noqa: E731
                                            cfg.id_weight, cfg.listwise_weight)
-    params = [(list(model.parameters()), cfg.train.lr)]
-    history = run_loop(step_fn, params, bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed), cfg.train, log)
+    torch.manual_seed(cfg.train.seed)
+    examples = bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed)
+    history = train_loop(step_fn, batches(examples, cfg.train.batch_size, cfg.train.seed),
+                         TorchOptimizer([(list(model.parameters()), cfg.train.lr)], cfg.train), cfg.train, device.type, log=log)
     model.eval()
     return history

@@ -29,11 +29,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-from hllm.ablations import (REFERENCE, AblationConfig, Cell, Row, aggregate, baseline_metrics,  # noqa: E402
-                            decoder_comparison, expand_cells, flat_metrics, markdown_report, plot_reports,
-                            scores_to_perm, slates_of_size, train_cell, with_seed, write_csv)
+from hllm.ablations import (QUALITY, REFERENCE, AblationConfig, Baseline, Cell, Row, aggregate,  # noqa: E402
+                            baseline_metrics, decoder_comparison, expand_cells, flat_metrics, scores_to_perm,
+                            slates_of_size, train_cell, with_seed)
+from hllm.cache import fingerprint, mark_done, stage_done  # noqa: E402
 from hllm.config import from_dict, load_config, to_dict  # noqa: E402
+from hllm.job import student_ranker_config  # noqa: E402
+from hllm.stages import Rankings  # noqa: E402
 from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
+from pipelines.reports import markdown_report, plot_reports, write_csv  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.ablations")
 DEFAULT_GRID = Path(__file__).resolve().parents[1] / "configs" / "grids" / "ablations.yaml"
@@ -45,13 +49,12 @@ def cell_task(job: dict[str, Any], teacher_model: dict[str, Any], data: tuple, o
     import torch
 
     from hllm.models import ModelConfig
-    from hllm.workflow import mark_done
 
     torch.set_num_threads(threads)
     cfg = from_dict(PipelineConfig, job)
-    train, train_perms, test, test_perms = data
+    train, val, test = data
     out = Path(out_dir)
-    result = train_cell(cfg, from_dict(ModelConfig, teacher_model), train, train_perms, test, test_perms, out,
+    result = train_cell(cfg, from_dict(ModelConfig, teacher_model), train, val, test, out,
                         torch.device("cuda" if use_gpu else "cpu"))
     (out / "result.json").write_text(json.dumps(result))
     mark_done(out, key, train_s=result["train_s"])
@@ -63,8 +66,6 @@ def run_cells(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell], teac
     """Every cell x seed: reused when done, else a Ray task. -> ({(cell, seed): result}, failures)."""
     import ray
 
-    from hllm.workflow import fingerprint, stage_done, student_config
-
     gpu = cluster_has_gpus(cfg.cluster)
     gpus = grid.gpus_per_cell if grid.gpus_per_cell is not None else (1.0 if gpu else 0.0)
     task = ray.remote(cell_task).options(num_cpus=grid.cpus_per_cell, num_gpus=gpus, max_retries=1)
@@ -74,7 +75,7 @@ def run_cells(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell], teac
         for seed in grid.seeds:
             c = with_seed(cell.config, seed)
             out = cell_dir(cfg, cell.name, seed)
-            key = fingerprint(student_config(c, teacher_model), c.student.train, c.student.loss, c.eval, gen_key)
+            key = fingerprint(student_ranker_config(c, teacher_model), c.student.train, c.student.loss, c.eval, gen_key)
             if stage_done(out, key) and (out / "result.json").exists():
                 results[(cell.name, seed)] = json.loads((out / "result.json").read_text())
                 continue
@@ -107,19 +108,17 @@ def measure_latency(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell]
     import torch
 
     from hllm.baselines import first_style_scores
-    from hllm.decoding import DECODERS
     from hllm.evaluation import interleaved_latency
-    from hllm.ranker import SinglePassRanker
+    from hllm.reranker import Reranker
 
     if grid.latency_requests == 0:
         return {}, {}
-    decode = DECODERS[cfg.eval.main_decoder]
     seed = grid.seeds[0]
 
-    def single_pass(ranker):
-        return lambda req: decode(ranker.score([req])[0])
+    def single_pass(reranker: Reranker):  # the served path: encode -> one forward pass -> decode
+        return lambda req: reranker.decode(reranker.score_encoded([reranker.encode_slate(req)])[0])
 
-    rankers = {c.name: SinglePassRanker.load(cell_dir(cfg, c.name, seed), merge_lora=True).to(teacher.model.device)
+    rankers = {c.name: Reranker.load(cell_dir(cfg, c.name, seed), device=str(teacher.device), decoder=cfg.eval.main_decoder)
                for c in cells if (c.name, seed) in results}
     methods = {name: single_pass(r) for name, r in rankers.items()}
     methods["FIRST-style"] = lambda req: scores_to_perm(first_style_scores(teacher.model, teacher.prompts, [req])[0])
@@ -135,11 +134,11 @@ def measure_latency(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell]
     return by_method, by_n
 
 
-def baselines(cfg: PipelineConfig, teacher, test: list, test_rankings: list) -> dict[str, dict[str, Any]]:
+def baselines(cfg: PipelineConfig, teacher, test_rankings: Rankings) -> dict[str, Baseline]:
     """First-stage order, FIRST-style single pass on the teacher's prefill, the AR teacher itself."""
     from hllm.baselines import first_style_scores
 
-    teacher_perms = [r.permutation for r in test_rankings]
+    test, teacher_perms = test_rankings.slates, test_rankings.permutations
     first = []
     for start in range(0, len(test), 32):
         first += [scores_to_perm(s) for s in first_style_scores(teacher.model, teacher.prompts, test[start: start + 32])]
@@ -153,26 +152,20 @@ def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = N
     """-> {"rows", "decoders", "latency_by_n", "failures", "reports", "mlflow_run_id"}."""
     import mlflow
 
-    from hllm.workflow import generation_key, load_splits, load_teacher, prepare_teacher, resolve_device, teacher_rankings
+    from hllm.models import resolve_device
+    from hllm.stages import load_teacher
     from pipelines import teacher_gen
 
     cells = expand_cells(grid, cfg)  # every cell's config is checked before anything runs
     init_ray(cfg.cluster)
-    device = resolve_device(cfg.device)
-    splits = load_splits(cfg.data)
-    teacher_model = prepare_teacher(cfg, splits, device)
-    gen_key = generation_key(cfg, teacher_model)
-    rankings_dir = Path(cfg.output_dir) / "rankings" / f"train-{gen_key}"
-    teacher_gen.generate(cfg, teacher_model, splits["train"], rankings_dir)
-    by_id = {r["slate_id"]: r["permutation"] for r in teacher_gen.read_rankings(rankings_dir)}
-    train_perms = [None if by_id[s.slate_id] is None else [int(i) for i in by_id[s.slate_id]] for s in splits["train"]]
-    teacher = load_teacher(teacher_model, cfg, device)
-    test = splits["test"]
-    test_rankings = teacher_rankings(teacher, test, Path(cfg.output_dir) / "rankings_test" / "test.jsonl", gen_key)
-    test_perms = [r.permutation for r in test_rankings]
+    teacher_model, rankings = teacher_gen.run(cfg, parent_run_id)  # reused when the main job made them
+    teacher = load_teacher(teacher_model, cfg, resolve_device(cfg.device))
+    test = rankings["test"].slates
+    gen_key = rankings["train"].key
 
-    results, failures = run_cells(cfg, grid, cells, teacher_model, (splits["train"], train_perms, test, test_perms), gen_key)
-    base = baselines(cfg, teacher, test, test_rankings)
+    data = (rankings["train"].items, rankings["val"].items, rankings["test"].items)
+    results, failures = run_cells(cfg, grid, cells, teacher_model, data, gen_key)
+    base = baselines(cfg, teacher, rankings["test"])
     latency, latency_by_n = measure_latency(cfg, grid, cells, results, teacher, test)
     latency["first stage"] = {"p50_ms": 0.0, "p95_ms": 0.0}  # the input order: no model runs
 
@@ -184,19 +177,18 @@ def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = N
             rows += [aggregate(cell.name, "+".join(cell.axes), per_seed, dec, latency.get(cell.name, {}), grid.confidence)
                      for dec in cfg.eval.decoders]
             decoders += decoder_comparison(cell.name, per_seed, main, grid.confidence)
-    for name, m in base.items():
+    for name, b in base.items():
         lat = latency.get(name, {"p50_ms": float("nan"), "p95_ms": float("nan")})
-        metrics = {key: (m[key], float("nan")) for key in
-                   ("nDCG@1", "nDCG@5", "nDCG@10", "MRR", "kendall_tau", "top1_agreement", "validity")}
+        metrics = {key: (b.metrics[key], float("nan")) for key in QUALITY}
         metrics["latency_p50_ms"], metrics["latency_p95_ms"] = (lat["p50_ms"], float("nan")), (lat["p95_ms"], float("nan"))
-        rows.append(Row(name, "baseline", "", "", 1, metrics))
+        rows.append(Row(name, "baseline", "", None, 1, metrics))
 
     reports_dir = Path(grid.reports_dir or Path(cfg.output_dir) / "reports")
     reports_dir.mkdir(parents=True, exist_ok=True)
     meta = {"cells": len(cells), "seeds": len(grid.seeds), "main_decoder": main, "confidence": grid.confidence,
             "test_slates": len(test), "slate_size": max(len(r.candidates) for r in test), "latency_requests": grid.latency_requests}
     md = reports_dir / f"{grid.report_name}.md"
-    table = [r for r in rows if r.decoder in (main, "")]  # the table and plots show the main decoder
+    table = [r for r in rows if r.decoder in (main, None)]  # the table and plots show the main decoder
     md.write_text(markdown_report(table, decoders, latency_by_n, meta, failures))
     write_csv(rows, decoders, reports_dir / f"{grid.report_name}.csv")  # every decoder
     paths = [md, reports_dir / f"{grid.report_name}.csv", *plot_reports(table, decoders, latency_by_n, reports_dir, grid.report_name)]
@@ -206,15 +198,17 @@ def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = N
         for path in paths:
             mlflow.log_artifact(str(path))
         log_metrics({"cells": len(cells), "cell_runs": len(results), "failed_cell_runs": len(failures)})
-        log_children(cfg, grid, cells, results, latency, base, parent.info.run_id)
+        log_children(cfg, grid, cells, results, latency, base, teacher_model, parent.info.run_id)
         parent_id = parent.info.run_id
     return {"rows": table, "csv_rows": rows, "decoders": decoders, "latency_by_n": latency_by_n, "failures": failures,
             "reports": [str(p) for p in paths], "mlflow_run_id": parent_id}
 
 
 def log_children(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell], results: dict, latency: dict, base: dict,
-                 parent_id: str) -> None:
+                 teacher_model, parent_id: str) -> None:
     """One child run per cell x seed and per baseline, with the same metric names."""
+    import mlflow
+
     main = cfg.eval.main_decoder
     for cell in cells:
         for seed in grid.seeds:
@@ -226,16 +220,17 @@ def log_children(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell], r
             with mlflow_run(c, "ablation-cell", parent_id, **{"ablation.variant": cell.name, "ablation.axes": "+".join(cell.axes),
                                                               "ablation.seed": str(seed), "ablation.kind": "cell"}):
                 lat = latency.get(cell.name, {})
-                log_metrics({**flat_metrics(result["decoders"], main), "latency_p50_ms": lat.get("p50_ms", float("nan")),
+                log_metrics({**flat_metrics(result, main), "latency_p50_ms": lat.get("p50_ms", float("nan")),
                              "latency_p95_ms": lat.get("p95_ms", float("nan")), "train_s": result["train_s"]})
-                log_metrics({k: v for k, v in result["decoders"].items() if k != "matrix"}, prefix="decoder.")
+                log_metrics(result["decoders"], prefix="decoder.")
+                mlflow.log_dict(to_dict(student_ranker_config(c, teacher_model)), "student_config.json")  # as trained
                 for row in result["history"]:
                     log_metrics({"loss": row["loss"]}, step=row["step"])
-    for name, m in base.items():
+    for name, b in base.items():
         c = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, run_name=f"baseline/{name}"))
         with mlflow_run(c, "ablation-baseline", parent_id, **{"ablation.variant": name, "ablation.kind": "baseline"}):
             lat = latency.get(name, {})
-            log_metrics({**{k: v for k, v in m.items() if k != "per_query" and not k.startswith("RR(")},
+            log_metrics({**b.metrics,
                          "latency_p50_ms": lat.get("p50_ms", float("nan")), "latency_p95_ms": lat.get("p95_ms", float("nan"))})
 
 

@@ -1,4 +1,5 @@
-"""Ray and MLflow glue shared by the pipelines: the pipeline config, Ray start-up, tracking."""
+"""Ray and MLflow glue shared by the pipelines: the pipeline config, Ray start-up, tracking, and the
+`runs:/` / `models:/` resolver that `hllm.Reranker.load` finds through the `hllm.model_uris` entry points."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hllm.config import flatten, load_config, to_dict
-from hllm.workflow import JobConfig
+from hllm.job import JobConfig, add_config_args
 
 log = logging.getLogger("hllm.pipelines")
 
@@ -62,15 +63,6 @@ class PipelineConfig(JobConfig):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
-
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
-
-
-def add_config_args(parser) -> None:
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None,
-                        help="YAML file (default: configs/default.yaml); key=value overrides win over it")
-    parser.add_argument("overrides", nargs="*", help="key=value, e.g. cluster.teacher_actors=2")
 
 
 def parse_job(description: str, argv: list[str] | None = None, configure=None) -> tuple["PipelineConfig", Any]:
@@ -158,3 +150,12 @@ def log_metrics(metrics: dict[str, Any], step: int | None = None, prefix: str = 
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:  # drop NaN
             clean[(prefix + k).replace("@", "_at_").replace("(", "_").replace(")", "").replace("=", "")] = float(v)
     mlflow.log_metrics(clean, step=step)
+
+
+def download_mlflow_model(uri: str) -> str:
+    """`runs:/RUN_ID/student` or `models:/NAME@ALIAS` -> a local folder (MLflow's tracking URI from
+    MLFLOW_TRACKING_URI). Registered in pyproject.toml under the entry-point group `hllm.model_uris`."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    return mlflow.artifacts.download_artifacts(artifact_uri=uri)

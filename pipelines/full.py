@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
 from hllm.config import to_dict  # noqa: E402
-from hllm.workflow import summary_lines  # noqa: E402
+from hllm.splits import load_splits  # noqa: E402
+from hllm.stages import summary_lines  # noqa: E402
 from pipelines import distill  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, parse_job, mlflow_run, tracking_uri  # noqa: E402
 
@@ -32,11 +33,10 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
     import requests
     from ray import serve
 
-    from hllm.workflow import load_splits
     from serve.app import app_builder
 
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.cluster.serve_port})
-    serve.run(app_builder({"model_dir": str(student_dir.resolve()), "threads": 1}), name="hllm", route_prefix="/")
+    serve.run(app_builder({"model": str(student_dir.resolve()), "threads": 1}), name="hllm", route_prefix="/")
     slate = load_splits(cfg.data)["test"][0]
     body = {"query": slate.query.text, "documents": [c.text for c in slate.candidates], "top_n": 5}
     t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.output_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     with mlflow_run(cfg, "full") as parent:
-        report = distill.run(cfg, parent_run_id=parent.info.run_id)
+        report, distill_run_id = distill.run(cfg, parent_run_id=parent.info.run_id)
         smoke = None if args.no_serve else deploy_and_smoke_test(cfg, Path(cfg.output_dir) / "student")
         study = None
         if args.ablations:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(top-1 grade {smoke['top1_grade']})")
     if study:
         print(f"ablations: {study['reports'][0]} ({len(study['failures'])} failed cell runs), mlflow run {study['mlflow_run_id']}")
-    print(f"mlflow: parent run {parent_id}, distill run {report['mlflow_run_id']} at {tracking_uri(cfg)}")
+    print(f"mlflow: parent run {parent_id}, distill run {distill_run_id} at {tracking_uri(cfg)}")
     print(f"total {time.perf_counter() - t0:.0f}s")
     if study and study["failures"]:
         sys.exit(f"{len(study['failures'])} ablation cell run(s) failed (listed in {study['reports'][0]})")

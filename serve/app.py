@@ -1,7 +1,7 @@
 """Ray Serve reranking API: one prefill + head + decoder per request, batched across requests.
 
     serve run serve/config.yaml                    # or: serve deploy serve/config.yaml
-    python -m serve.app --model-dir runs/default/student
+    python -m serve.app --model runs/default/student         # or --model runs:/RUN_ID/student
 
 `POST /v1/rerank` (also `/rerank`, `/v2/rerank`) speaks the Cohere v2 / Jina / vLLM rerank schema;
 `GET /healthz`, `GET /v1/models`, OpenAPI at `/docs`. Requests that arrive together share one
@@ -33,9 +33,8 @@ api = FastAPI(title="hLLM rerank", version="1", description="Single-pass generat
 class AppArgs(BaseModel):
     """Arguments of the application builder (from `serve run/deploy` YAML or code)."""
 
-    model_dir: str | None = None
-    mlflow_run_id: str | None = None
-    tracking_uri: str | None = None
+    model: str  # a student folder, or a model URI: runs:/RUN_ID/student, models:/NAME@ALIAS
+    tracking_uri: str | None = None  # MLflow, for model URIs (default: MLFLOW_TRACKING_URI)
     model_name: str = "hllm-student"
     decoder: str = "hungarian"
     max_documents: int = 100
@@ -43,17 +42,6 @@ class AppArgs(BaseModel):
     device: str = "auto"
     threads: int | None = None
     merge_lora: bool = True  # fold LoRA into the base weights at load: same scores, faster prefill
-
-
-def resolve_model_dir(args: AppArgs) -> str:
-    if args.model_dir:
-        return args.model_dir
-    if not args.mlflow_run_id:
-        raise ValueError("give model_dir or mlflow_run_id")
-    import mlflow
-
-    return mlflow.artifacts.download_artifacts(run_id=args.mlflow_run_id, artifact_path="student",
-                                               tracking_uri=args.tracking_uri)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -74,20 +62,23 @@ async def limits_and_auth(request: Request, call_next):
     return await call_next(request)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16)
+@serve.deployment(name="Reranker", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16)
 @serve.ingress(api)
-class Reranker:
+class RerankDeployment:
+    """A replica wraps one `hllm.Reranker`: encode per request, one batched forward pass, decode."""
+
     def __init__(self, args: dict):
         import torch
 
-        from hllm.ranker import SinglePassRanker
-        from hllm.workflow import resolve_device
+        from hllm import Reranker
 
         self.args = AppArgs(**args)
         if self.args.threads:
             torch.set_num_threads(self.args.threads)
-        self.ranker = SinglePassRanker.load(resolve_model_dir(self.args), merge_lora=self.args.merge_lora).to(
-            resolve_device(self.args.device))
+        if self.args.tracking_uri:
+            os.environ["MLFLOW_TRACKING_URI"] = self.args.tracking_uri
+        self.reranker = Reranker.load(self.args.model, device=self.args.device, merge_lora=self.args.merge_lora,
+                                      decoder=self.args.decoder)
         api.state.max_body_bytes = self.args.max_body_bytes
 
     def reconfigure(self, user_config: dict) -> None:
@@ -98,29 +89,26 @@ class Reranker:
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _score(self, prompts: list) -> list[tuple[np.ndarray, int, float]]:
         t0 = time.perf_counter()
-        matrices = self.ranker.score_prompts(prompts)
+        matrices = self.reranker.score_encoded(prompts)
         forward_ms = 1000 * (time.perf_counter() - t0)
         return [(m, len(prompts), forward_ms) for m in matrices]
 
     async def _rerank(self, body: RerankBody):
-        from hllm.decoding import DECODERS
-        from hllm.prompts import PromptTooLong
-        from hllm.records import Candidate, Query, RerankRequest
+        from hllm import PromptTooLong
 
         t0 = time.perf_counter()
         texts = body.texts()
         if len(texts) > self.args.max_documents:
             return _error(413, f"{len(texts)} documents exceed this model's limit of {self.args.max_documents}")
-        request = RerankRequest(Query("request", body.query), [Candidate(str(i), t) for i, t in enumerate(texts)])
         try:
-            prompt = self.ranker.prompts.encode(request, with_answer=False)
+            prompt = self.reranker.encode(body.query, texts)
         except PromptTooLong as err:
             return _error(413, str(err))
         t_tok = time.perf_counter()
         matrix, batch_size, forward_ms = await self._score(prompt)
         t_fwd = time.perf_counter()
         decoder = body.decoder or self.args.decoder
-        decoded = DECODERS[decoder](matrix)
+        decoded = self.reranker.decode(matrix, decoder)
         t_dec = time.perf_counter()
         top = decoded.permutation[: body.top_n or len(texts)]
         results = [RerankResult(index=int(i), relevance_score=float(decoded.item_scores[i]), rank=r + 1,
@@ -156,25 +144,26 @@ class Reranker:
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.args.model_name, max_documents=self.args.max_documents,
-                                         positions=self.ranker.cfg.head.k)])
+                                         positions=self.reranker.positions)])
 
 
 def app_builder(args: dict) -> Application:
     """The typed builder `serve run/deploy` calls with the YAML's `args`."""
     parsed = AppArgs(**args)
-    return Reranker.bind(parsed.model_dump())
+    return RerankDeployment.bind(parsed.model_dump())
 
 
 def main() -> None:
     import ray
 
     parser = argparse.ArgumentParser(description="Serve a trained student on a local Ray")
-    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--model", required=True, help="a student folder or a model URI (runs:/..., models:/...)")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
     ray.init(include_dashboard=False, dashboard_host="127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(app_builder({"model_dir": str(Path(args.model_dir).resolve())}), blocking=True)
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    serve.run(app_builder({"model": model}), blocking=True)
 
 
 if __name__ == "__main__":

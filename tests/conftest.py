@@ -56,3 +56,12 @@ def ray_local():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def graded_examples(ranker, slates):
+    """Student examples from slates alone (no teacher ranking): for graded-label training in tests."""
+    from hllm.records import ParseCounts, RankedSlate, TeacherRanking
+    from hllm.training import LossConfig, student_examples
+
+    unranked = [RankedSlate(s, TeacherRanking(s.slate_id, None, "", ParseCounts())) for s in slates]
+    return student_examples(ranker.prompts, unranked, LossConfig({"graded_ce": 1.0}))[0]

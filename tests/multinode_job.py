@@ -9,6 +9,7 @@ from pathlib import Path
 from ray.cluster_utils import Cluster
 
 from hllm.config import load_config
+from hllm.job import student_ranker_config
 from pipelines import distill, teacher_gen
 from pipelines.common import PipelineConfig
 
@@ -20,17 +21,14 @@ def main(out: str, overrides: list[str]) -> None:
     try:
         cfg = load_config(PipelineConfig, None, overrides + [f"output_dir={out}", f"cluster.address={cluster.address}",
                                                              "cluster.spread=true"])
-        from hllm.workflow import load_splits
-        splits = load_splits(cfg.data)
-        rankings = Path(out) / "rankings" / "train"
-        teacher_gen.generate(cfg, cfg.teacher.model, splits["train"], rankings)
-        rows = teacher_gen.read_rankings(rankings)
-        result = distill.train(cfg, cfg.distill, cfg.teacher.model, rankings)
+        teacher_model, rankings = teacher_gen.run(cfg, splits=("train", "val"))
+        result = distill.train(cfg, student_ranker_config(cfg, teacher_model), rankings["train"].directory,
+                               rankings["val"].directory)
         with result.checkpoint.as_directory() as d:
             train_nodes = sorted({p.read_text() for p in Path(d).glob("node.rank*")})
         import ray
         print(json.dumps({"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-                          "teacher_nodes": sorted({r["node_id"] for r in rows}), "train_nodes": train_nodes,
+                          "teacher_nodes": sorted({i.ranking.node for i in rankings["train"].items}), "train_nodes": train_nodes,
                           "steps": result.metrics["step"]}))
     finally:
         import ray

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hllm.ablations import (AblationConfig, aggregate, decoder_comparison, expand_cells, markdown_report, mean_ci,
-                            slates_of_size, with_seed, write_csv)
+from hllm.ablations import AblationConfig, aggregate, decoder_comparison, expand_cells, mean_ci, slates_of_size, with_seed
 from hllm.config import ConfigError, load_config
-from hllm.workflow import JobConfig
+from hllm.job import JobConfig
+from pipelines.reports import markdown_report, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = sorted((ROOT / "configs" / "grids").glob("*.yaml"))
@@ -25,9 +25,9 @@ def test_every_shipped_grid_expands_against_the_default_job(path):
 
 def test_variants_change_one_axis_and_are_validated_before_training():
     base = load_config(JobConfig, None)
-    grid = AblationConfig(axes={"architecture": {"linear": {"student.ranker.head.kind": "linear"},
-                                                 "scalar": {"student.ranker.head.kind": "scalar", "student.loss.terms": {"listmle": 1.0}}},
-                                "loss": {"scalar": {"student.ranker.head.kind": "scalar", "student.loss.terms": {"listmle": 1.0}}}})
+    grid = AblationConfig(axes={"architecture": {"linear": {"student.head.kind": "linear"},
+                                                 "scalar": {"student.head.kind": "scalar", "student.loss.terms": {"listmle": 1.0}}},
+                                "loss": {"scalar": {"student.head.kind": "scalar", "student.loss.terms": {"listmle": 1.0}}}})
     cells = {c.name: c for c in expand_cells(grid, base)}
     assert set(cells) == {"reference", "linear", "scalar"} and cells["scalar"].axes == ["architecture", "loss"]
     assert cells["scalar"].config.student.loss.terms == {"listmle": 1.0}  # a mapping replaces, never merges
@@ -38,7 +38,7 @@ def test_variants_change_one_axis_and_are_validated_before_training():
 
 @pytest.mark.parametrize("axes,match", [
     ({"a": {"x": {"teacher.model.layers": 2}}}, r"a.x: 'teacher.model.layers' is not a student setting"),
-    ({"a": {"x": {"student.ranker.head.kind": "mlp"}}}, r"ablation a.x: .*'mlp' is not one of"),
+    ({"a": {"x": {"student.head.kind": "mlp"}}}, r"ablation a.x: .*'mlp' is not one of"),
     ({"a": {"x": {"student.nope": 1}}}, r"ablation a.x: .*unknown config key"),
     ({"a": {"x": {"student.train.steps": 1}}, "b": {"x": {"student.train.steps": 2}}}, r"'x' appears in two axes"),
     ({"a": {"reference": {}}}, r"'reference' is the unchanged job config"),
@@ -56,11 +56,10 @@ def test_mean_ci_is_the_student_t_interval():
 
 
 def _result(hung, sort, same):
-    dec = lambda v: {"nDCG@1": v, "nDCG@5": v, "nDCG@10": v, "RR(rel=2)@10": v, "kendall_tau": 0.5,  # noqa: E731
+    dec = lambda v: {"nDCG@1": v, "nDCG@5": v, "nDCG@10": v, "MRR@10": v, "kendall_tau": 0.5,  # noqa: E731
                      "top1_agreement": 0.5, "validity": 1.0, "decode_ms": 0.1}
-    return {"decoders": {"hungarian": {**dec(np.mean(hung)), "same_as_main": 1.0}, "sort": {**dec(np.mean(sort)), "same_as_main": same},
-                         "matrix": {"rank1_energy_mean": 0.6}},
-            "per_query": {"hungarian": hung, "sort": sort}}
+    return {"decoders": {"hungarian": {**dec(np.mean(hung)), "same_as_main": 1.0}, "sort": {**dec(np.mean(sort)), "same_as_main": same}},
+            "matrix": {"rank1_energy_mean": 0.6}, "per_query": {"hungarian": hung, "sort": sort}}
 
 
 def test_decoder_comparison_is_paired_per_seed():
@@ -71,7 +70,8 @@ def test_decoder_comparison_is_paired_per_seed():
     assert rows["sort"]["delta_vs_main"] == pytest.approx(-0.2) and rows["sort"]["same_as_main"] == 0.25
     assert rows["sort"]["delta_ci"] == pytest.approx(12.7062 * 0.1, rel=1e-4)  # sd 0.1414, sem 0.1
     row = aggregate("ref", "", seeds, "hungarian", {"p50_ms": 7.0, "p95_ms": 9.0}, 0.95)
-    assert row.metrics["nDCG@10"][0] == pytest.approx(0.6) and row.metrics["MRR"][0] == pytest.approx(0.6)
+    assert row.metrics["nDCG@10"][0] == pytest.approx(0.6) and row.metrics["MRR@10"][0] == pytest.approx(0.6)
+    assert row.metrics["rank1_energy"][0] == pytest.approx(0.6)
     assert row.metrics["latency_p50_ms"] == (7.0, pytest.approx(float("nan"), nan_ok=True))
 
 

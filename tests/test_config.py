@@ -3,30 +3,43 @@ from pathlib import Path
 import pytest
 
 from hllm.config import ConfigError, flatten, load_config, parse_overrides
-from hllm.workflow import JobConfig
+from hllm.job import JobConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
 
 def test_defaults_and_overrides_win():
     cfg = load_config(JobConfig, None, ["student.train.steps=7", "data.synthetic.slate_size=10",
-                                        "student.ranker.head.kind=linear", "eval.decoders=[sort, greedy]"])
+                                        "student.head.kind=linear", "eval.decoders=[sort, greedy]",
+                                        "eval.main_decoder=sort"])
     assert cfg.student.train.steps == 7 and cfg.data.synthetic.slate_size == 10
-    assert cfg.student.ranker.head.kind == "linear" and cfg.eval.decoders == ["sort", "greedy"]
+    assert cfg.student.head.kind == "linear" and cfg.eval.decoders == ["sort", "greedy"]
 
 
 @pytest.mark.parametrize("override,match", [
     (["student.train.stpes=3"], r"unknown config key\(s\) \['student.train.stpes'\]"),
-    (["student.ranker.head.kind=mlp"], r"student.ranker.head.kind: 'mlp' is not one of"),
+    (["student.head.kind=mlp"], r"student.head.kind: 'mlp' is not one of"),
     (["student.train.steps=many"], r"student.train.steps: expected int"),
     (["teacher.model.preset=hf"], r"model.path is required"),
     (["student.loss.terms={nope: 1.0}"], r"unknown loss \['nope'\]"),
     (["eval.decoders=[magic]"], r"unknown \['magic'\]"),
     (["nokey"], r"not of the form key=value"),
+    (["eval.decoders=[sort]"], r"eval.main_decoder 'hungarian' must be one of eval.decoders"),
+    # keys that would be ignored are errors that say why
+    (["student.model.preset=tiny"], r"student.model would be ignored: student.init_from_teacher is true"),
+    (["student.init_from_teacher=false"], r"student.model is required when student.init_from_teacher is false"),
+    (["student.prompt.template=compact"], r"unknown config key\(s\) \['student.prompt'\]"),
+    (["data.path=/tmp/x"], r"data.path / data.run_file are read only by file sources"),
+    (["data.source=hllm", "data.path=/tmp/x", "data.run_file=/tmp/run"], r"data.run_file is read only by data.source=beir"),
 ])
 def test_bad_configs_name_the_key(override, match):
     with pytest.raises((ConfigError, ValueError), match=match):
         load_config(JobConfig, None, override)
+
+
+def test_a_student_with_its_own_backbone():
+    cfg = load_config(JobConfig, None, ["student.init_from_teacher=false", "student.model.preset=tiny", "student.model.layers=2"])
+    assert cfg.student.model.layers == 2
 
 
 def test_parse_overrides_types():

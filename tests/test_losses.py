@@ -1,7 +1,10 @@
+import itertools
+
 import pytest
 import torch
 
 from hllm.losses import LOSSES, log_sinkhorn, mixed_loss
+from hllm.training import TorchOptimizer, TrainConfig, train_loop
 
 B, N, K = 3, 6, 6
 
@@ -103,3 +106,37 @@ def test_mixed_loss_weights_and_missing_targets():
     assert float(total) == pytest.approx(parts["position_ce"] + 0.5 * parts["graded_ce"], rel=1e-5)
     with pytest.raises(ValueError, match="needs 'grades'"):
         mixed_loss(logits, mask, {"graded_ce": 1.0}, perm=perm)
+
+
+# ---- the one training loop ------------------------------------------------------------------------
+def _quadratic(steps: int, **kw):
+    """A one-parameter problem for the loop: (w, its optimiser, the config, a loss function, endless chunks)."""
+    w = torch.nn.Parameter(torch.tensor([3.0]))
+    cfg = TrainConfig(steps=steps, batch_size=1, warmup_steps=1, **kw)
+    return TorchOptimizer([([w], 0.1)], cfg), cfg, (lambda chunk: ((w ** 2).sum(), {})), itertools.repeat([None])
+
+
+def test_train_loop_honours_log_every_validate_and_on_step():
+    opt, cfg, loss, chunks = _quadratic(5, log_every=2)
+    logged, stepped = [], []
+    history = train_loop(loss, chunks, opt, cfg, "cpu", validate=lambda: {"val_loss": 1.0},
+                         log=lambda s, row: logged.append(s), on_step=lambda row, last: stepped.append((row["step"], last)))
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5] and logged == [2, 4, 5]
+    assert [h.get("val_loss") for h in history] == [None, 1.0, None, 1.0, 1.0]
+    assert stepped[-1] == (5, True) and not any(last for _, last in stepped[:-1])
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_train_loop_stops_at_the_time_budget_and_says_so():
+    opt, cfg, loss, chunks = _quadratic(100, time_budget_s=1e-9)
+    history = train_loop(loss, chunks, opt, cfg, "cpu")
+    assert len(history) == 1 and history[-1]["stopped_early"]
+    # the decision can be made collectively (an all-reduce under DeepSpeed): none wants to stop, none does
+    opt, cfg, loss, chunks = _quadratic(3, time_budget_s=1e-9)
+    history = train_loop(loss, chunks, opt, cfg, "cpu", agree=lambda stop: False)
+    assert len(history) == 3 and "stopped_early" not in history[-1]
+
+
+def test_train_loop_resumes_the_step_count():
+    opt, cfg, loss, chunks = _quadratic(5)
+    assert [h["step"] for h in train_loop(loss, chunks, opt, cfg, "cpu", start_step=3)] == [4, 5]

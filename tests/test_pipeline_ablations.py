@@ -16,13 +16,13 @@ from test_pipeline_distill import JOB
 pytestmark = pytest.mark.slow
 
 GRID = AblationConfig(
-    axes={"architecture": {"linear": {"student.ranker.head.kind": "linear"},
-                           "scalar_listmle": {"student.ranker.head.kind": "scalar", "student.loss.terms": {"listmle": 1.0}}},
+    axes={"architecture": {"linear": {"student.head.kind": "linear"},
+                           "scalar_listmle": {"student.head.kind": "scalar", "student.loss.terms": {"listmle": 1.0}}},
           "signal": {"graded": {"student.loss.terms": {"graded_ce": 1.0}}},
-          "adaptation": {"frozen": {"student.ranker.adapt.mode": "frozen"}},
+          "adaptation": {"frozen": {"student.adapt.mode": "frozen"}},
           # fails inside its task (no such model): counted and reported, the others go on
-          "broken": {"missing_model": {"student.init_from_teacher": False, "student.ranker.model.preset": "hf",
-                                       "student.ranker.model.path": "/nonexistent/model"}}},
+          "broken": {"missing_model": {"student.init_from_teacher": False, "student.model.preset": "hf",
+                                       "student.model.path": "/nonexistent/model"}}},
     seeds=[0, 1], latency_requests=2, latency_sizes=[4, 8], latency_size_requests=3, cpus_per_cell=1)
 
 
@@ -60,11 +60,11 @@ def test_grid_runs_reports_and_resumes(ray_local, tmp_path):
                                   filter_string=f"tags.mlflow.parentRunId = '{out['mlflow_run_id']}'")
     kinds = sorted(r.data.tags["ablation.kind"] for r in children)
     assert kinds == ["baseline"] * 3 + ["cell"] * 10
-    shared = {"nDCG_at_1", "nDCG_at_5", "nDCG_at_10", "MRR", "kendall_tau", "top1_agreement", "validity", "latency_p50_ms"}
+    shared = {"nDCG_at_1", "nDCG_at_5", "nDCG_at_10", "MRR_at_10", "kendall_tau", "top1_agreement", "validity", "latency_p50_ms"}
     for r in children:
         assert shared <= set(r.data.metrics), r.info.run_name
     cell = next(r for r in children if r.info.run_name == "linear/seed1")
-    assert cell.data.params["student.ranker.head.kind"] == "linear" and cell.data.params["student.train.seed"] == "1"
+    assert cell.data.params["student.head.kind"] == "linear" and cell.data.params["student.train.seed"] == "1"
     assert [m.step for m in client.get_metric_history(cell.info.run_id, "loss")] == [1, 2, 3]
     artifacts = {a.path for a in client.list_artifacts(out["mlflow_run_id"])}
     assert {"ablations.md", "ablations.csv", "ablations_metrics.png", "grid.json"} <= artifacts

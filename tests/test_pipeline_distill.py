@@ -1,5 +1,6 @@
 """Ray Train + DeepSpeed distillation on a local Ray (2 CPU workers, ZeRO-2): MLflow run, worker kill."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -8,7 +9,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hllm import Reranker
 from hllm.config import load_config
+from hllm.job import student_ranker_config
 from pipelines import distill, teacher_gen
 from pipelines.common import PipelineConfig
 
@@ -22,7 +25,7 @@ JOB = [
     "teacher.generation.constrained=true", "teacher.generation.batch_size=8",
     "cluster.teacher_actors=1", "cluster.teacher_cpus_per_actor=0.5", "cluster.teacher_batch_slates=8",
     "cluster.train_workers=2", "cluster.train_cpus_per_worker=1",
-    "student.ranker.head.positions=6", "student.ranker.head.width=32", "student.ranker.adapt.lora_r=2",
+    "student.head.positions=6", "student.head.width=32", "student.adapt.lora_r=2",
     "student.train.batch_size=4", "student.train.warmup_steps=1",
     "eval.latency_requests=2", "eval.latency_warmup=1", "distill.zero_stage=2",
 ]
@@ -31,20 +34,32 @@ JOB = [
 def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
     cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=4",
                                                       "distill.checkpoint_every=2"])
-    report = distill.run(cfg)
-    assert report["train_steps"] == 4
-    assert report["student"]["hungarian"]["validity"] == 1.0
+    report, run_id = distill.run(cfg)
+    stage = json.loads((tmp_path / "student" / "stage.json").read_text())
+    assert stage["steps"] == 4 and stage["val_loss"] > 0  # the held-out loss comes from the worker's loop
+    assert report.student.decoders["hungarian"]["validity"] == 1.0
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = mlflow.get_run(report["mlflow_run_id"])
+    run = mlflow.get_run(run_id)
     assert run.data.params["distill.zero_stage"] == "2" and run.data.params["student.train.steps"] == "4"
-    assert "eval.student.hungarian.nDCG_at_10" in run.data.metrics and "eval.teacher.nDCG_at_10" in run.data.metrics
+    assert "eval.student.decoders.hungarian.nDCG_at_10" in run.data.metrics and "eval.teacher.nDCG_at_10" in run.data.metrics
     assert "eval.latency.single_pass.p50_ms" in run.data.metrics
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == [1, 2, 3, 4]  # only rank 0 logs
     assert run.data.tags["git_commit"] and "rankings/train-" in run.data.tags["teacher_rankings"]
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "student")}
     assert {"student/head.safetensors", "student/hllm_ranker.json", "student/adapter"} <= artifacts
+    # the logged student config is the one that trained: the teacher's weights as its backbone
+    logged = mlflow.artifacts.load_dict(f"runs:/{run_id}/student_config.json")
+    assert logged["model"] == dataclasses.asdict(cfg.teacher.model) and logged["prompt"] == dataclasses.asdict(cfg.prompt)
+    # the public API loads the logged student by its MLflow URI (the `runs` resolver plug-in)
+    import os
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    try:
+        ranked = Reranker.load(f"runs:/{run_id}/student").rank("boots", ["red boots", "blue shirt", "boots"])
+    finally:
+        del os.environ["MLFLOW_TRACKING_URI"]
+    assert sorted(d.index for d in ranked) == [0, 1, 2]
 
 
 def _has_checkpoint(snapshot: Path) -> bool:
@@ -69,14 +84,12 @@ def _kill_one_worker_after_first_checkpoint(storage: Path, killed: list):
 def test_killed_worker_resumes_from_the_latest_checkpoint(ray_local, tmp_path):
     cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=30",
                                                       "distill.checkpoint_every=2"])
-    from hllm.workflow import load_splits
-    splits = load_splits(cfg.data)
-    rankings = tmp_path / "rankings" / "train"
-    teacher_gen.generate(cfg, cfg.teacher.model, splits["train"], rankings)
+    teacher_model, rankings = teacher_gen.run(cfg, splits=("train", "val"))
     killed: list = []
     killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(tmp_path / "ray_train", killed))
     killer.start()
-    result = distill.train(cfg, cfg.distill, cfg.teacher.model, rankings)
+    result = distill.train(cfg, student_ranker_config(cfg, teacher_model), rankings["train"].directory,
+                           rankings["val"].directory)
     killer.join()
     assert killed, "no Ray Train worker was found to kill"
     assert result.error is None

@@ -7,8 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from hllm import store
 from hllm.config import load_config
 from pipelines import teacher_gen
 from pipelines.common import PipelineConfig
@@ -28,20 +31,25 @@ GEN_JOB = [
 
 def test_generation_fans_out_and_writes_one_row_per_slate(ray_local, tmp_path):
     cfg = load_config(PipelineConfig, None, GEN_JOB + [f"output_dir={tmp_path}"])
-    out_dir, stats = teacher_gen.run(cfg)
-    rows = teacher_gen.read_rankings(out_dir)
-    assert len(rows) == 48 and len({r["slate_id"] for r in rows}) == 48
+    _, rankings = teacher_gen.run(cfg)
+    assert {k: len(r.items) for k, r in rankings.items()} == {"train": 48, "val": 2, "test": 2}  # every split, one path
+    train = rankings["train"]
+    rows = store.read_rankings(train.directory)  # the one reader, typed records back
+    assert len(rows) == 48 and len({r.slate.slate_id for r in rows}) == 48
+    stats = train.stats
     assert stats["validity"] == 1.0 and stats["counts"]["ok"] == 48  # constrained decoding
     assert stats["slates_per_s"] > 0 and stats["output_tokens_per_s"] > 0
-    row = rows[0]
-    assert sorted(row["permutation"]) == list(range(6)) and len(row["candidate_ids"]) == 6
-    assert row["raw_text"].count("[") == 6 and row["output_tokens"] == 12 and row["prompt_tokens"] > 0
-    assert len(list(out_dir.glob("part-*.parquet"))) == 6  # one shard per batch of 8
+    row = rows[0].ranking
+    assert sorted(row.permutation) == list(range(6)) and len(rows[0].slate.candidates) == 6 and rows[0].slate.grades
+    assert row.raw_text.count("[") == 6 and row.output_tokens == 12 and row.prompt_tokens > 0 and row.node
+    assert len(store.shards(train.directory)) == 6  # one shard per batch of 8
+    schema = pq.read_schema(store.shards(train.directory)[0])
+    assert schema.field("ranking").type.field("permutation").type == pa.list_(pa.int64())  # nested, not JSON
     # MLflow holds the run with its counts and throughput
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = mlflow.search_runs(experiment_names=["hllm"], output_format="list")
-    assert run.data.metrics["teacher_gen.counts.ok"] == 48 and "teacher_gen.slates_per_s" in run.data.metrics
+    assert run.data.metrics["teacher_gen.train.counts.ok"] == 48 and "teacher_gen.train.slates_per_s" in run.data.metrics
     assert run.data.params["cluster.teacher_actors"] == "2"
 
 
@@ -63,6 +71,6 @@ def test_killed_run_resumes_with_exactly_one_row_per_slate(tmp_path):
     result = subprocess.run([sys.executable, "pipelines/teacher_gen.py", *overrides], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = teacher_gen.read_rankings(shards()[0].parent)
-    assert len(rows) == 64 and len({r["slate_id"] for r in rows}) == 64
+    rows = store.read_rankings(shards()[0].parent)
+    assert len(rows) == 64 and len({r.slate.slate_id for r in rows}) == 64
     assert f"resumed {4 * shards_before} done" in result.stdout  # the finished shards were not redone

@@ -6,9 +6,10 @@ from hllm.decoding import is_permutation
 from hllm.heads import HeadConfig
 from hllm.models import load_backbone
 from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.training import LossConfig, TrainConfig, student_examples, train_student
+from hllm.reranker import Reranker
+from hllm.training import LossConfig, TrainConfig, train_student
 
-from conftest import TINY
+from conftest import TINY, graded_examples
 
 
 def build(kind="attention", k=8, mode="lora"):
@@ -22,46 +23,47 @@ def test_head_shape_under_padding(kind, k, small_splits):
     ranker = build(kind, k)
     reqs = small_splits["test"][:3]
     reqs[1].candidates = reqs[1].candidates[:5]  # a shorter slate in the batch
-    batch = ranker.encode(reqs)
-    logits = ranker(**batch)
+    reranker = Reranker(ranker)
+    logits = ranker(**reranker._batch([reranker.encode_slate(r) for r in reqs]))
     assert logits.shape == (3, 8, 1 if kind == "scalar" else k)
-    mats = ranker.score(reqs)
+    mats = reranker.score_slates(reqs)
     assert mats[1].shape == (5, min(5, logits.shape[2]))
-    for req, dec in zip(reqs, ranker.rank(reqs)):
-        assert is_permutation(dec.permutation, len(req.candidates))
+    for req, mat in zip(reqs, mats):
+        assert is_permutation(reranker.decode(mat).permutation, len(req.candidates))
 
 
 def test_batched_equals_one_by_one(small_splits):
     ranker = build()
     reqs = small_splits["test"][:4]
     reqs[2].candidates = reqs[2].candidates[:4]
-    together = ranker.score(reqs)
+    reranker = Reranker(ranker)
+    together = reranker.score_slates(reqs)
     for req, mat in zip(reqs, together):
-        np.testing.assert_allclose(ranker.score([req])[0], mat, atol=1e-5)
+        np.testing.assert_allclose(reranker.score_slates([req])[0], mat, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full", "frozen"])
 def test_save_load_reproduces_scores_exactly(tmp_path, small_splits, mode):
     ranker = build(mode=mode)
-    examples = student_examples(ranker.prompts, small_splits["train"][:8])
+    examples = graded_examples(ranker, small_splits["train"][:8])
     train_student(ranker, examples, TrainConfig(steps=2, batch_size=4, warmup_steps=1), LossConfig({"graded_ce": 1.0}))
     reqs = small_splits["test"][:3]
-    before = ranker.score(reqs)
+    before = Reranker(ranker).score_slates(reqs)
     ranker.save(tmp_path / "r")
-    again = SinglePassRanker.load(tmp_path / "r").score(reqs)
+    again = Reranker.load(tmp_path / "r", merge_lora=False).score_slates(reqs)
     for a, b in zip(before, again):
         np.testing.assert_array_equal(a, b)
 
 
 def test_merged_lora_scores_like_the_adapter_and_refuses_to_save(tmp_path, small_splits):
     ranker = build(mode="lora")
-    examples = student_examples(ranker.prompts, small_splits["train"][:8])
+    examples = graded_examples(ranker, small_splits["train"][:8])
     train_student(ranker, examples, TrainConfig(steps=3, batch_size=4, lr=1e-2, warmup_steps=1), LossConfig({"graded_ce": 1.0}))
     ranker.save(tmp_path / "r")
     reqs = small_splits["test"][:3]
     merged = SinglePassRanker.load(tmp_path / "r", merge_lora=True)
     assert not any("lora_" in n for n, _ in merged.backbone.named_parameters())
-    for a, m in zip(ranker.score(reqs), merged.score(reqs)):
+    for a, m in zip(Reranker(ranker).score_slates(reqs), Reranker(merged).score_slates(reqs)):
         np.testing.assert_allclose(m, a, atol=1e-4)
     base, _ = load_backbone(ranker.cfg.model)
     name = next(n for n, _ in base.named_parameters() if "q_proj" in n)
@@ -81,7 +83,7 @@ def test_trainable_parameters_follow_the_adaptation():
 
 def test_training_lowers_the_loss(small_splits):
     ranker = build()
-    examples = student_examples(ranker.prompts, small_splits["train"])
+    examples = graded_examples(ranker, small_splits["train"])
     history = train_student(ranker, examples, TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=2),
                             LossConfig({"graded_ce": 1.0}))
     first, last = np.mean([h["loss"] for h in history[:5]]), np.mean([h["loss"] for h in history[-5:]])

