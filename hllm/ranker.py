@@ -27,6 +27,7 @@ from torch import nn
 
 from hllm.config import from_dict, to_dict
 from hllm.heads import HeadConfig, build_head
+from hllm.item_states import item_hidden_states
 from hllm.models import ModelConfig, load_backbone, save_backbone
 from hllm.prompts import PromptBuilder, PromptConfig
 
@@ -95,10 +96,10 @@ class SinglePassRanker(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
                 item_mask: torch.Tensor) -> torch.Tensor:
-        h = self.hidden_states(input_ids, attention_mask)  # (B, T, D)
-        idx = item_positions[:, :, None].expand(-1, -1, h.shape[-1])  # (B, N, D)
-        items = h.gather(1, idx).to(next(self.head.parameters()).dtype)  # (B, N, D)
-        return self.head(items, item_mask)  # (B, N, K)
+        """(B, T) prompts, (B, N) item positions -> (B, N, K) item-position logits. The last decoder
+        layer runs at the N item positions only (`hllm.item_states`): the same states, less work."""
+        items = item_hidden_states(self.body, input_ids, attention_mask, item_positions)  # (B, N, D)
+        return self.head(items.to(next(self.head.parameters()).dtype), item_mask)  # (B, N, K)
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:

@@ -99,7 +99,7 @@ class Rankings:
     directory: Path
     key: str  # the generation fingerprint
     items: list[RankedSlate]
-    stats: dict[str, Any]
+    stats: dict[str, Any]  # this run's generation: slates ranked now, throughput, parse counts
 
     @property
     def slates(self) -> list[RerankRequest]:
@@ -136,21 +136,19 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
         raise RuntimeError(f"teacher rankings {split} incomplete: {len(missing)} slates missing, {repeated} "
                            f"written twice in {directory}")
     by_id = {i.slate.slate_id: i for i in store.read_rankings(directory)} if slates else {}
-    items = [by_id[s.slate_id] for s in slates]
+    rankings = Rankings(split, directory, key, [by_id[s.slate_id] for s in slates], {})
     fresh = [by_id[s.slate_id].ranking for s in pending]
-    counts = ParseCounts()
-    for i in items:
-        counts.add(i.ranking.counts)
-    stats = {"slates": len(items), "generated_now": len(fresh), "resumed_from": len(items) - len(fresh),
-             "seconds": elapsed, "counts": dataclasses.asdict(counts), "validity": counts.validity,
-             "slates_per_s": len(fresh) / elapsed if fresh else 0.0,
-             "output_tokens_per_s": sum(r.output_tokens for r in fresh) / elapsed if fresh else 0.0,
-             "prompt_tokens_per_s": sum(r.prompt_tokens for r in fresh) / elapsed if fresh else 0.0}
+    counts = rankings.counts
+    rankings.stats = {"slates": len(slates), "generated_now": len(fresh), "resumed_from": len(slates) - len(fresh),
+                      "seconds": elapsed, "counts": dataclasses.asdict(counts), "validity": counts.validity,
+                      "slates_per_s": len(fresh) / elapsed if fresh else 0.0,
+                      "output_tokens_per_s": sum(r.output_tokens for r in fresh) / elapsed if fresh else 0.0,
+                      "prompt_tokens_per_s": sum(r.prompt_tokens for r in fresh) / elapsed if fresh else 0.0}
     if fresh or not stage_done(directory, key):
-        log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s", split, len(items), len(fresh),
+        log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s", split, len(slates), len(fresh),
                  elapsed, counts)
-        mark_done(directory, key, **stats)
-    return Rankings(split, directory, key, items, stats)
+        mark_done(directory, key, **rankings.stats)
+    return rankings
 
 
 # ---- student -------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hllm.losses import LOSSES, log_sinkhorn, mixed_loss
-from hllm.training import TorchOptimizer, TrainConfig, train_loop
+from hllm.training import TorchOptimizer, TrainConfig, train_loop, use_bf16
 
 B, N, K = 3, 6, 6
 
@@ -140,3 +140,8 @@ def test_train_loop_stops_at_the_time_budget_and_says_so():
 def test_train_loop_resumes_the_step_count():
     opt, cfg, loss, chunks = _quadratic(5)
     assert [h["step"] for h in train_loop(loss, chunks, opt, cfg, "cpu", start_step=3)] == [4, 5]
+
+
+def test_bf16_autocast_is_on_only_where_it_is_native():
+    assert use_bf16(None, "cuda") and use_bf16(True, "cpu") and not use_bf16(False, "cuda")
+    assert use_bf16(None, "cpu") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # emulated bf16 is ~70x slower

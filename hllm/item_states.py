@@ -1,0 +1,92 @@
+"""The final hidden states at the N item positions, with the last decoder layer run only there.
+
+The head reads the final layer at N positions of a T-token prompt (N << T), and no LM head is
+needed. Every layer but the last runs as usual; in the last one, keys and values still come from
+all T tokens, but queries, the attention output, the MLP and the final norm are computed for the
+N item positions only. The result equals the full prefill's hidden states at those positions up
+to float rounding (tested against it, LoRA merged and unmerged).
+
+The last layer's inputs (hidden states, rotary embeddings) are taken by a forward pre-hook as the
+model's own code made them, then the body stops: no private model internals are re-implemented
+except the one layer's arithmetic, which exists for the decoder-layer classes in
+`LAST_LAYER_AT_ITEMS` (Llama-style: pre-norm, rotary attention with grouped KV heads, gated MLP).
+Other architectures take the full prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, rotate_half
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+LAST_LAYER_AT_ITEMS: tuple[type[nn.Module], ...] = (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer)
+
+
+class _LastLayerInputs(Exception):
+    """Carries the last layer's inputs out of the body (raised by the pre-hook, caught below)."""
+
+    def __init__(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__()
+        self.hidden, self.position_embeddings = hidden, position_embeddings
+
+
+def supports_items_only(body: nn.Module) -> bool:
+    layer = body.layers[-1]
+    window = getattr(getattr(layer.self_attn, "config", None), "sliding_window", None)
+    return isinstance(layer, LAST_LAYER_AT_ITEMS) and not window and hasattr(body, "norm")
+
+
+def _gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) at (B, N) positions -> (B, N, ...)."""
+    idx = positions.reshape(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, idx)
+
+
+def _last_layer_at(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """The last decoder layer's output at the item positions. h: (B, T, D); positions: (B, N)."""
+    attn = layer.self_attn
+    b, t, _ = h.shape
+    n, d = positions.shape[1], attn.head_dim
+    x = layer.input_layernorm(h)  # (B, T, D): keys and values need every token
+    q = attn.q_proj(_gather(x, positions)).view(b, n, -1, d).transpose(1, 2)  # (B, H, N, d)
+    k = attn.k_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, d)
+    v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, d)
+    cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)  # (B, T, d): shared positions come as (1, T, d)
+    cos_q, sin_q = _gather(cos, positions)[:, None], _gather(sin, positions)[:, None]  # (B, 1, N, d)
+    q = q * cos_q + rotate_half(q) * sin_q
+    k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+    keys = torch.arange(t, device=h.device)
+    allowed = (keys[None, None, :] <= positions[:, :, None]) & attention_mask[:, None, :].bool()  # (B, N, T) causal
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling,
+                                         enable_gqa=k.shape[1] != q.shape[1])  # (B, H, N, d)
+    hidden = _gather(h, positions) + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))  # (B, N, D)
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def item_hidden_states(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       item_positions: torch.Tensor) -> torch.Tensor:
+    """(B, T) prompt, (B, N) item positions -> (B, N, D) final hidden states at the items.
+    Right padding only (the ranker's prompts): positions are 0..T-1 in every row."""
+    if not supports_items_only(body):
+        h = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, D)
+        return _gather(h, item_positions)
+    last = body.layers[-1]
+
+    def stop(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        raise _LastLayerInputs(hidden, kwargs["position_embeddings"])
+
+    handle = last.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        raise RuntimeError("the decoder body finished without reaching its last layer")
+    except _LastLayerInputs as inputs:
+        cos, sin = inputs.position_embeddings  # (B or 1, T, d) each
+        hidden = _last_layer_at(last, inputs.hidden, cos, sin, attention_mask, item_positions)
+    finally:
+        handle.remove()
+    return body.norm(hidden)  # (B, N, D)
