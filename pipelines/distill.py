@@ -32,7 +32,7 @@ from hllm import store  # noqa: E402
 from hllm.config import from_dict, to_dict  # noqa: E402
 from hllm.ranker import RankerConfig  # noqa: E402
 from hllm.stages import EvalReport, Fit, Rankings  # noqa: E402
-from pipelines.common import (DistillConfig, PipelineConfig, cluster_has_gpus, init_ray, log_metrics,  # noqa: E402
+from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics,  # noqa: E402
                               mlflow_run, parse_job, tracking_uri)
 
 log = logging.getLogger("hllm.pipelines.distill")
