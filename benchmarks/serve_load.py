@@ -29,16 +29,29 @@ def bodies(n_docs: int, count: int) -> list[dict]:
     return [{"query": s.query.text, "documents": [c.text for c in s.candidates]} for s in splits["test"]]
 
 
-def load(payloads: list[dict], concurrency: int, url: str = URL) -> dict:
+def load(payloads: list[dict], concurrency: int, url: str = URL, replica_timings: list | None = None) -> dict:
+    """Closed-loop clients, each with a keep-alive session (as a real client keeps its connection).
+    `replica_timings` collects each response's `meta.timings_ms` (the time spent inside the replica)."""
     latencies, errors = [], 0
+    local = threading.local()
+
+    def session() -> requests.Session:
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        return local.session
 
     def one(body: dict) -> float | None:
         t0 = time.perf_counter()
         try:
-            r = requests.post(url, json=body, timeout=60)
-            return time.perf_counter() - t0 if r.status_code == 200 else None
+            r = session().post(url, json=body, timeout=60)
+            elapsed = time.perf_counter() - t0
         except requests.RequestException:
             return None
+        if r.status_code != 200:
+            return None
+        if replica_timings is not None:
+            replica_timings.append(r.json()["meta"]["timings_ms"])
+        return elapsed
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
@@ -50,6 +63,23 @@ def load(payloads: list[dict], concurrency: int, url: str = URL) -> dict:
     wall = time.perf_counter() - t0
     p = np.percentile(latencies, [50, 95, 99]) if latencies else [float("nan")] * 3
     return {"p50": p[0], "p95": p[1], "p99": p[2], "rps": len(latencies) / wall, "errors": errors, "n": len(payloads)}
+
+
+def model_p50_ms(model: str, payloads: list[dict]) -> float:
+    """The library path alone (`Reranker.rank`: encode, one forward pass, decode), in this process with
+    one thread like a replica: what the HTTP path is compared with."""
+    import torch
+
+    from hllm import Reranker
+
+    torch.set_num_threads(1)
+    reranker = Reranker.load(model)
+    times = []
+    for body in payloads[:5] + payloads:
+        t0 = time.perf_counter()
+        reranker.rank(body["query"], body["documents"])
+        times.append(1000 * (time.perf_counter() - t0))
+    return float(np.median(times[5:]))
 
 
 def replicas() -> int:
@@ -77,13 +107,17 @@ def main() -> None:
     local_ray(serve_port=PORT)
     payloads = bodies(args.docs, args.requests)
     app_args = AppArgs(model=str(Path(args.model_dir).resolve()), threads=1).model_dump()
-    rows = {}
+    rows, inside = {}, []
+    model_ms = model_p50_ms(app_args["model"], payloads)
     # 1) one replica, latency alone (concurrency 1), then throughput without and with batching
-    for name, batch, conc in (("sequential", 8, 1), ("no batching", 1, args.concurrency), ("batching", 8, args.concurrency)):
-        dep = RerankDeployment.options(num_replicas=1, user_config={"max_batch_size": batch, "batch_wait_timeout_s": 0.005})
+    settings = (("sequential", 8, 0.005, 1), ("sequential, no batch wait", 8, 0.0, 1),
+                ("no batching", 1, 0.0, args.concurrency), ("batching", 8, 0.005, args.concurrency),
+                ("batching, no batch wait", 8, 0.0, args.concurrency))
+    for name, batch, wait, conc in settings:
+        dep = RerankDeployment.options(num_replicas=1, user_config={"max_batch_size": batch, "batch_wait_timeout_s": wait})
         serve.run(dep.bind(app_args), name="hllm", route_prefix="/")
         load(payloads[:10], 2)  # warm-up
-        rows[name] = load(payloads, conc)
+        rows[name] = load(payloads, conc, replica_timings=inside if name == "sequential, no batch wait" else None)
     # 2) autoscaling: 1 -> 2 replicas under a burst
     dep = RerankDeployment.options(num_replicas="auto", autoscaling_config={
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,
@@ -106,6 +140,15 @@ def main() -> None:
     lines = [f"N = {args.docs} documents per request, {args.requests} requests, concurrency {args.concurrency}, loopback only\n",
              "| setting | p50 ms | p95 ms | p99 ms | req/s | errors |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {k} | {v['p50']:.1f} | {v['p95']:.1f} | {v['p99']:.1f} | {v['rps']:.1f} | {v['errors']}/{v['n']} |" for k, v in rows.items()]
+    http = rows["sequential, no batch wait"]["p50"]
+    replica = {k: float(np.median([t[k] for t in inside])) for k in inside[0]}
+    lines += ["", f"model p50 ms: {model_ms:.1f}", f"http p50 ms: {http:.1f}", "",
+              f"Sequential, N = {args.docs}, `batch_wait_timeout_s: 0` (the default 5 ms wait holds a lone request back "
+              f"for company: {rows['sequential']['p50']:.1f} ms p50 with it): HTTP p50 - model p50 = **{http - model_ms:.1f} ms**. "
+              "The model is `hllm.Reranker.rank` in one process, one thread, like a replica. Inside the replica (p50 of the "
+              f"response's own timings): tokenize {replica['tokenize']:.1f}, queue + forward {replica['queue_and_forward']:.1f} "
+              f"(forward {replica['forward_batch']:.1f}), decode {replica['decode']:.1f}, total {replica['total']:.1f} ms; the "
+              f"other {http - replica['total']:.1f} ms are Serve's HTTP proxy, the proxy-to-replica hop, FastAPI and JSON."]
     lines.append(f"\nbatching / no batching throughput: **{rows['batching']['rps'] / rows['no batching']['rps']:.2f}x**")
     lines.append(f"replicas during the burst: started at {seen[0] if seen else '?'}, max {max(seen) if seen else '?'} "
                  f"(samples: {seen[:: max(1, len(seen) // 20)]})")
