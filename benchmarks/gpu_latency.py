@@ -94,7 +94,7 @@ def measure(reranker: Reranker, n: int, batch: int, args, device: torch.device) 
 
     answer = args.answer_tokens_per_item * n
     lm = reranker.model.backbone
-    tensors = reranker._batch(prompts)
+    tensors = reranker.tensors(prompts)
 
     @torch.inference_mode()
     def ar_teacher():

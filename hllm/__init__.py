@@ -12,10 +12,6 @@ __all__ = ["PromptTooLong", "RankedDocument", "Reranker"]
 
 
 def __getattr__(name: str):
-    if name == "PromptTooLong":
-        from hllm.prompts import PromptTooLong
-
-        return PromptTooLong
     if name in __all__:
         from hllm import reranker
 

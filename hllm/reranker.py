@@ -28,10 +28,11 @@ import torch
 
 from hllm.decoding import DECODERS, Decoded
 from hllm.models import resolve_device
-from hllm.prompts import EncodedPrompt, collate
+from hllm.prompts import EncodedPrompt, PromptTooLong, collate
 from hllm.ranker import SinglePassRanker
 from hllm.records import RerankRequest
 
+__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "resolve_model_uri"]
 URI_GROUP = "hllm.model_uris"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 
@@ -92,14 +93,15 @@ class Reranker:
     def encode_slate(self, slate: RerankRequest) -> EncodedPrompt:
         return self.model.prompts.encode(slate, with_answer=False)
 
-    def _batch(self, prompts: Sequence[EncodedPrompt]) -> dict[str, torch.Tensor]:
+    def tensors(self, prompts: Sequence[EncodedPrompt]) -> dict[str, torch.Tensor]:
+        """Encoded prompts -> the model's padded input tensors on its device."""
         batch = collate(list(prompts), self.model.tokenizer.pad_token_id)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     @torch.inference_mode()
     def score_encoded(self, prompts: Sequence[EncodedPrompt]) -> list[np.ndarray]:
         """One forward pass for all prompts -> per prompt its (n, min(K, n)) float32 score matrix."""
-        logits = self.model(**self._batch(prompts)).float().cpu().numpy()  # (B, N, K)
+        logits = self.model(**self.tensors(prompts)).float().cpu().numpy()  # (B, N, K)
         out = []
         for row, prompt in enumerate(prompts):
             n = len(prompt.item_positions)
@@ -109,7 +111,7 @@ class Reranker:
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[EncodedPrompt]) -> torch.Tensor:
         """The bare prefill of the same prompts (no head, no decoding): the baseline of latency tables."""
-        batch = self._batch(prompts)
+        batch = self.tensors(prompts)
         return self.model.hidden_states(batch["input_ids"], batch["attention_mask"])
 
     def decode(self, matrix: np.ndarray, decoder: str | None = None) -> Decoded:

@@ -130,12 +130,12 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
         log.info("teacher rankings %s: %d slates, %d already done, %d to go", split, len(slates), len(done & {s.slate_id for s in slates}), len(pending))
         rank(pending, directory)
     elapsed = time.perf_counter() - t0
-    ids = store.finished_ids(directory) if slates else []
-    missing, repeated = {s.slate_id for s in slates} - set(ids), len(ids) - len(set(ids))
+    written = store.read_rankings(directory) if slates else []
+    by_id = {i.slate.slate_id: i for i in written}
+    missing, repeated = {s.slate_id for s in slates} - set(by_id), len(written) - len(by_id)
     if missing or repeated:
         raise RuntimeError(f"teacher rankings {split} incomplete: {len(missing)} slates missing, {repeated} "
                            f"written twice in {directory}")
-    by_id = {i.slate.slate_id: i for i in store.read_rankings(directory)} if slates else {}
     rankings = Rankings(split, directory, key, [by_id[s.slate_id] for s in slates], {})
     fresh = [by_id[s.slate_id].ranking for s in pending]
     counts = rankings.counts

@@ -51,7 +51,7 @@ def test_ranker_scores_equal_the_unoptimised_path(tmp_path, small_splits, merge)
     ranker.save(tmp_path)
     reranker = Reranker.load(tmp_path, merge_lora=merge)
     prompts = [reranker.encode_slate(s) for s in small_splits["test"][:4]]
-    tensors = reranker._batch(prompts)
+    tensors = reranker.tensors(prompts)
     with torch.no_grad():
         fast = reranker.model(**tensors)
         states = full_prefill_at(reranker.model.body, tensors["input_ids"], tensors["attention_mask"], tensors["item_positions"])
@@ -63,7 +63,7 @@ def test_gradients_flow_through_the_items_only_path(small_splits):
     ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(lora_r=2, lora_alpha=4),
                                                  head=HeadConfig(positions=8, width=32, num_heads=2)))
     reranker = Reranker(ranker)
-    tensors = reranker._batch([reranker.encode_slate(s) for s in small_splits["train"][:2]])
+    tensors = reranker.tensors([reranker.encode_slate(s) for s in small_splits["train"][:2]])
     ranker.train()
     ranker(**tensors).sum().backward()
     last = ranker.body.layers[-1]

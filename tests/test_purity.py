@@ -12,18 +12,23 @@ FORBIDDEN = {"ray", "mlflow", "deepspeed", "fastapi", "pydantic", "matplotlib"}
 LIBRARY = Path(hllm.__file__).parent
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Top-level names of every module a file imports, anywhere in it (also `importlib.import_module("x")`)."""
+def dotted_imports(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (also `importlib.import_module("x")` literals), dotted."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            names.add(node.args[0].value.split(".")[0])
+            names.add(node.args[0].value)
     return names
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Top-level names of the modules a file imports."""
+    return {name.split(".")[0] for name in dotted_imports(path)}
 
 
 def test_the_check_sees_lazy_imports(tmp_path):
@@ -60,15 +65,6 @@ def test_importing_every_module_loads_no_framework():
 def test_the_single_process_job_is_a_leaf():
     """Recipes import the library; nothing imports the recipe."""
     importers = [str(f) for root in ("hllm", "pipelines", "serve", "benchmarks") for f in (LIBRARY.parent / root).rglob("*.py")
-                 if "hllm.workflow" in {n for n in _dotted_imports(f)}]
+                 if "hllm.workflow" in dotted_imports(f)]
     assert importers == []
 
-
-def _dotted_imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names

@@ -24,7 +24,7 @@ def test_head_shape_under_padding(kind, k, small_splits):
     reqs = small_splits["test"][:3]
     reqs[1].candidates = reqs[1].candidates[:5]  # a shorter slate in the batch
     reranker = Reranker(ranker)
-    logits = ranker(**reranker._batch([reranker.encode_slate(r) for r in reqs]))
+    logits = ranker(**reranker.tensors([reranker.encode_slate(r) for r in reqs]))
     assert logits.shape == (3, 8, 1 if kind == "scalar" else k)
     mats = reranker.score_slates(reqs)
     assert mats[1].shape == (5, min(5, logits.shape[2]))
