@@ -39,7 +39,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     splits = load_splits(cfg.data)
-    teacher_model = bootstrap_teacher_stage(cfg, splits["train"], resolve_device(cfg.device))
+    teacher_model = bootstrap_teacher_stage(cfg, splits["train"], splits["val"], resolve_device(cfg.device))
     slates = splits["train"][: args.slates]
     rows = []
     for actors in (1, 2):

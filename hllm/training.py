@@ -13,6 +13,7 @@ token keep plain cross-entropy. From then on it is used exactly like a real teac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -25,6 +26,7 @@ import torch
 from hllm.losses import LOSSES, NEG, listnet_kl, mixed_loss
 from hllm.parsing import format_ranking
 from hllm.prompts import EncodedPrompt, PromptBuilder, collate
+from hllm.ranker import AdaptConfig, adapt_backbone
 from hllm.records import RankedSlate, RerankRequest
 
 
@@ -265,6 +267,20 @@ class BootstrapConfig:
     # FIRST-style listwise term: at every identifier position, the logits of the identifiers not
     # yet written should follow the grades (ListNet KL), so 2 > 0 is learned, not only "3 is right"
     listwise_weight: float = 1.0
+    # what is trained: every weight (the tiny model from scratch), or LoRA adapters on a
+    # pretrained LM with few train queries (merged into the weights afterwards)
+    adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(mode="full"))
+    # share of train slates shown with their candidates in a random order instead of the first
+    # stage's (RankVicuna's shuffled-input augmentation): in first-stage order the cheapest
+    # answer is "[1] > [2] > ...", and a model that learns that position prior never learns to
+    # read relevance out of the passages
+    shuffle_candidates: float = 0.0
+    # the grade an unjudged candidate is trained as (0: non-relevant, as trec_eval scores it);
+    # None: every candidate must be judged (the embedded data always is)
+    unjudged_grade: int | None = None
+    # with held-out slates: their answer loss every `train.log_every` steps, and the weights of the
+    # best one are kept (early stopping without stopping: the schedule still runs to the end)
+    keep_best: bool = True
 
 
 def gold_permutation(grades: list[int | None], rng: random.Random | None = None) -> list[int]:
@@ -283,17 +299,32 @@ class BootstrapExample:
     answer_perm: list[int]  # the gold order the answer was written in
 
 
+def shuffled(request: RerankRequest, rng: random.Random) -> RerankRequest:
+    """The same slate with its candidates (and their grades) in a random order."""
+    order = list(range(len(request.candidates)))
+    rng.shuffle(order)
+    grades = [request.grades[i] for i in order] if request.grades is not None else None
+    return dataclasses.replace(request, candidates=[request.candidates[i] for i in order], grades=grades)
+
+
 def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], loss: str = "set",
-                       seed: int = 0) -> list[BootstrapExample]:
+                       seed: int = 0, shuffle_candidates: float = 0.0, unjudged_grade: int | None = None
+                       ) -> list[BootstrapExample]:
     """Gold answers with ties in grade in a random order: with input order, the model learns the
     shortcut "the next relevant item comes after the last one written", which breaks as soon as
-    its own first choice differs from the gold one."""
+    its own first choice differs from the gold one. A `shuffle_candidates` share of the slates
+    is shown in a random candidate order."""
     tok = builder.tokenizer
     rng = random.Random(seed)
     out = []
     for req in requests:
+        if req.grades is not None and unjudged_grade is not None:
+            req = dataclasses.replace(req, grades=[unjudged_grade if g is None else g for g in req.grades])
         if req.grades is None or any(g is None for g in req.grades):
-            raise ValueError(f"slate {req.slate_id!r}: the teacher bootstrap needs a grade for every candidate")
+            raise ValueError(f"slate {req.slate_id!r}: the teacher bootstrap needs a grade for every candidate "
+                             f"(or teacher.bootstrap_cfg.unjudged_grade to train unjudged ones as that grade)")
+        if shuffle_candidates and rng.random() < shuffle_candidates:
+            req = shuffled(req, rng)
         perm = gold_permutation(req.grades, rng)
         answer = tok(format_ranking(perm), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         accept = [[t] for t in answer]
@@ -393,18 +424,45 @@ def _listwise_term(logits: torch.Tensor, chunk: list[BootstrapExample], id_token
 
 
 def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankRequest], cfg: BootstrapConfig,
-                      log: Callable[[int, dict], None] | None = None) -> list[dict]:
-    model.train()
+                      log: Callable[[int, dict], None] | None = None, val: list[RerankRequest] | None = None):
+    """Fine-tunes `model` to write the gold rankings of `requests`. -> (the model, merged when
+    LoRA-adapted, history rows; with `val`, rows carry `val_answer_nll` and, with `keep_best`,
+    the weights are those of the best validation)."""
     device = next(model.parameters()).device
     pad = builder.tokenizer.pad_token_id
     grades = grade_token_ids(builder.tokenizer) if cfg.grade_weight else None
     n_max = max(len(r.candidates) for r in requests)
     ids = id_token_ids(builder.tokenizer, n_max) if (cfg.id_weight or cfg.listwise_weight) else None
-    step_fn = lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight, ids,  # noqa: E731
+    step_fn = lambda chunk: bootstrap_loss(model, chunk, pad, device, grades, cfg.grade_weight, ids,
                                            cfg.id_weight, cfg.listwise_weight)
     torch.manual_seed(cfg.train.seed)
-    examples = bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed)
+    model = adapt_backbone(model, cfg.adapt)
+    model.train()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    examples = bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed, cfg.shuffle_candidates, cfg.unjudged_grade)
+    held_out = bootstrap_examples(builder, val, cfg.loss, cfg.train.seed, unjudged_grade=cfg.unjudged_grade) if val else []
+    best: dict = {"val_answer_nll": math.inf, "weights": None}
+
+    @torch.no_grad()
+    def validate() -> dict[str, float]:
+        model.eval()
+        nll = sum(float(bootstrap_loss(model, held_out[i: i + 8], pad, device)[0]) * len(held_out[i: i + 8])
+                  for i in range(0, len(held_out), 8)) / len(held_out)
+        model.train()
+        if nll < best["val_answer_nll"]:
+            best.update(val_answer_nll=nll, weights={n: p.detach().clone() for n, p in trainable.items()})
+        return {"val_answer_nll": nll}
+
     history = train_loop(step_fn, batches(examples, cfg.train.batch_size, cfg.train.seed),
-                         TorchOptimizer([(list(model.parameters()), cfg.train.lr)], cfg.train), cfg.train, device.type, log=log)
+                         TorchOptimizer([(list(trainable.values()), cfg.train.lr)], cfg.train), cfg.train, device.type,
+                         validate=validate if held_out else None, log=log)
+    if held_out and cfg.keep_best:
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(best["weights"][n])
+        best_row = min((r for r in history if "val_answer_nll" in r), key=lambda r: r["val_answer_nll"])
+        history[-1].update(kept_step=best_row["step"], kept_val_answer_nll=best_row["val_answer_nll"])
+    if cfg.adapt.mode == "lora":
+        model = model.merge_and_unload()
     model.eval()
-    return history
+    return model, history

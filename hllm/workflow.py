@@ -38,7 +38,7 @@ def run(cfg: JobConfig) -> EvalReport:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     splits = load_splits(cfg.data)
-    teacher_model = bootstrap_teacher_stage(cfg, splits["train"], device)
+    teacher_model = bootstrap_teacher_stage(cfg, splits["train"], splits["val"], device)
     teacher = load_teacher(teacher_model, cfg, device)
     rankings = {name: teacher_rankings_stage(cfg, teacher_model, name, splits[name], rank_in_process(teacher))
                 for name in SPLITS}

@@ -145,13 +145,18 @@ def train_func(config: dict[str, Any]) -> None:
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                                  checkpoint_dir_name=f"checkpoint_{row['step']:06d}")
 
+    def progress(step: int, row: dict) -> None:  # the worker's stdout reaches the driver's log
+        held_out = f", held-out loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+        print(f"distill step {step}/{t.steps} loss {row['loss']:.4f}{held_out} ({row['elapsed_s']:.0f}s)", flush=True)
+
     pad = ranker.tokenizer.pad_token_id
     ranker.train()
     train_loop(lambda chunk: student_loss(engine, student_batch(chunk, pad, device), cfg.student.loss),
                shard_chunks(ray.train.get_dataset_shard("train"), ranker.prompts, cfg),
                EngineOptimizer(engine, scheduler), t, device.type, start_step=step,
                validate=(lambda: validation_loss(ranker, held_out, cfg.student.loss)) if held_out else None,
-               on_step=on_step, agree=all_ranks_agree if t.time_budget_s else (lambda stop: stop))
+               on_step=on_step, agree=all_ranks_agree if t.time_budget_s else (lambda stop: stop),
+               log=progress if rank == 0 else None)
     if mlflow is not None:
         mlflow.end_run()
 

@@ -87,7 +87,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None, splits: tuple[str
     from hllm.models import resolve_device
 
     data = load_splits(cfg.data)
-    teacher_model = bootstrap_teacher_stage(cfg, data["train"], resolve_device(cfg.device))
+    teacher_model = bootstrap_teacher_stage(cfg, data["train"], data["val"], resolve_device(cfg.device))
     with mlflow_run(cfg, "teacher_generation", parent_run_id, teacher=str(teacher_model.path or teacher_model.preset)):
         rankings = {name: teacher_rankings_stage(cfg, teacher_model, name, data[name], ray_ranker(cfg, teacher_model))
                     for name in splits}

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hllm.config import ConfigError, flatten, load_config, parse_overrides
 from hllm.job import JobConfig
@@ -49,8 +50,30 @@ def test_parse_overrides_types():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_config_loads(path):
-    cfg = load_config(JobConfig, path)
+    from pipelines.common import PipelineConfig  # the Ray job reads the same files, with its cluster section
+
+    cfg = load_config(PipelineConfig, path)
     assert flatten(cfg)["output_dir"]
+
+
+def test_a_real_model_never_inherits_the_tiny_models_sizes():
+    with pytest.raises(ConfigError, match=r"models are \['smollm2-135m'\] but .* sized for 'tiny'"):
+        load_config(JobConfig, CONFIGS[0].parent / "default.yaml", ["teacher.model.preset=smollm2-135m"])
+    from pipelines.common import PipelineConfig
+
+    with pytest.raises(ConfigError, match="sized for 'smollm2-135m'"):  # and the other way round
+        load_config(PipelineConfig, CONFIGS[0].parent / "dl19-smollm2.yaml", ["teacher.model.preset=tiny"])
+    acknowledged = load_config(JobConfig, None, ["teacher.model.preset=smollm2-135m", "sized_for=smollm2-135m"])
+    assert acknowledged.sized_for == "smollm2-135m"
+
+
+def test_the_real_model_config_sets_every_size_itself():
+    """What costs time on a real LM is written in its config, not taken from a dataclass default."""
+    raw = flatten(yaml.safe_load((CONFIGS[0].parent / "dl19-smollm2.yaml").read_text()))
+    for key in ("sized_for", "teacher.bootstrap_cfg.train.steps", "teacher.bootstrap_cfg.train.batch_size",
+                "teacher.generation.batch_size", "student.train.steps", "student.train.batch_size",
+                "eval.latency_requests", "cluster.teacher_batch_slates", "data.top_n", "prompt.max_doc_tokens"):
+        assert key in raw, key
 
 
 def test_configs_exist():

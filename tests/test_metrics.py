@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from hllm.metrics import agreement, ir_metrics, kendall_tau, validity_rate
+from hllm.metrics import agreement, input_order_agreement, ir_metrics, kendall_tau, validity_rate
 from hllm.readers import read_beir
 from hllm.records import Candidate, Query, RerankRequest
 
@@ -44,6 +44,13 @@ def test_agreement_and_validity():
     out = agreement([[0, 1, 2], [2, 1, 0], None], [[0, 2, 1], [0, 1, 2], [0, 1, 2]])
     assert out["pairs"] == 2 and out["top1_agreement"] == pytest.approx(0.5)
     assert validity_rate([[0, 1], [1, 1], None], [2, 2, 2]) == pytest.approx(1 / 3)
+
+
+def test_input_order_agreement_counts_copies_of_the_first_stage_order():
+    out = input_order_agreement([[0, 1, 2, 3], [1, 0, 2, 3], [3, 2, 1, 0], None])
+    assert out["rankings"] == 3 and out["same_as_input"] == pytest.approx(1 / 3)
+    assert out["tau_to_input"] == pytest.approx((1.0 + kendall_tau([1, 0, 2, 3], [0, 1, 2, 3]) - 1.0) / 3)
+    assert math.isnan(input_order_agreement([None])["same_as_input"])
 
 
 @pytest.mark.data

@@ -32,3 +32,17 @@ def test_smollm2_preset_scores_with_its_chat_template():
     (matrix,) = reranker.score_slates([req])
     assert matrix.shape == (5, 4)
     assert is_permutation(reranker.decode(matrix).permutation, 5)
+
+
+def test_smollm2_saves_and_reloads_as_a_plain_model(tmp_path):
+    """GGUF weights are de-quantized on load; a bootstrapped teacher must save (it once could not)."""
+    import torch
+
+    from hllm.models import load_backbone, save_backbone
+
+    model, tok = load_backbone(ModelConfig(preset="smollm2-135m"))
+    save_backbone(model, tok, tmp_path)
+    again, _ = load_backbone(ModelConfig(preset="hf", path=str(tmp_path)))
+    ids = torch.tensor([tok("how do plants make food")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, again(ids).logits)

@@ -10,7 +10,7 @@ from hllm import store
 from hllm.config import load_config
 from hllm.job import JobConfig
 from hllm.records import ParseCounts, RankedSlate, TeacherRanking
-from hllm.stages import teacher_rankings_stage
+from hllm.stages import DegenerateTeacher, teacher_rankings_stage, train_student_stage
 
 
 def ranked(slates):
@@ -69,3 +69,44 @@ def test_a_split_with_a_missing_slate_is_an_error(small_splits, tmp_path):
     with pytest.raises(RuntimeError, match="1 slates missing"):
         teacher_rankings_stage(cfg, cfg.teacher.model, "train", small_splits["train"][:3],
                                lambda pending, d: store.write_shard(ranked(pending[:2]), d))
+
+
+def copies_input(slates, directory: Path, copied: int):
+    """Writes rankings where the first `copied` slates keep the input order, the rest reversed."""
+    items = ranked(slates)
+    for i in items[:copied]:
+        i.ranking.permutation = list(range(len(i.slate.candidates)))
+    store.write_shard(items, directory)
+
+
+def test_a_teacher_that_copies_its_input_is_stopped_before_distillation(small_splits, tmp_path):
+    cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}"])
+    slates = small_splits["train"][:10]
+    train = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, lambda p, d: copies_input(p, d, 8))
+    assert train.stats["same_as_input"] == pytest.approx(0.8)
+    assert train.stats["tau_to_input"] == pytest.approx(0.8 * 1.0 + 0.2 * -1.0)
+    fitted = []
+    fit = lambda rcfg, tr, va, out: fitted.append(out) or {"steps": 0}
+    with pytest.raises(DegenerateTeacher, match=r"80.0% of its answers repeat the input .*max_teacher_same_as_input 0.5"):
+        train_student_stage(cfg, cfg.teacher.model, train, train, fit)
+    assert not fitted  # stopped before any training
+    relaxed = load_config(JobConfig, None, [f"output_dir={tmp_path}", "student.max_teacher_same_as_input=0.9"])
+    train_student_stage(relaxed, relaxed.teacher.model, train, train, fit)
+    assert len(fitted) == 1
+
+
+def test_the_tau_threshold_catches_a_teacher_that_only_nudges_the_input(small_splits, tmp_path):
+    cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}", "student.max_teacher_tau_to_input=0.5"])
+    slates = small_splits["train"][:4]
+
+    def swaps_last_two(pending, directory):
+        items = ranked(pending)
+        for i in items:
+            n = len(i.slate.candidates)
+            i.ranking.permutation = list(range(n - 2)) + [n - 1, n - 2]
+        store.write_shard(items, directory)
+
+    train = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, swaps_last_two)
+    assert train.stats["same_as_input"] == 0.0 and train.stats["tau_to_input"] > 0.9
+    with pytest.raises(DegenerateTeacher, match="Kendall tau to the input order 0.9"):
+        train_student_stage(cfg, cfg.teacher.model, train, train, lambda *a: {"steps": 0})

@@ -1,10 +1,12 @@
+import random
+
 import pytest
 import torch
 
 from hllm.decoding import is_permutation
 from hllm.prompts import PromptBuilder, PromptConfig
 from hllm.teacher import AnswerGrammar, ARTeacher, TeacherConfig
-from hllm.training import BootstrapConfig, TrainConfig, bootstrap_examples, bootstrap_teacher, gold_permutation
+from hllm.training import BootstrapConfig, TrainConfig, bootstrap_examples, bootstrap_teacher, gold_permutation, shuffled
 
 
 def test_constrained_decoding_is_always_valid(tiny_backbone, small_splits):
@@ -61,8 +63,47 @@ def test_bootstrap_learns_the_answer_format(tiny_backbone, small_splits):
     model, tok = tiny_backbone
     builder = PromptBuilder(tok, PromptConfig(), 512)
     cfg = BootstrapConfig(train=TrainConfig(steps=60, batch_size=8, lr=1e-2, warmup_steps=5))
-    history = bootstrap_teacher(model, builder, small_splits["train"], cfg)
+    _, history = bootstrap_teacher(model, builder, small_splits["train"], cfg)
     assert history[-1]["loss"] < 0.6 * history[0]["loss"]
+
+
+def test_shuffled_bootstrap_slates_keep_each_passage_with_its_grade(tiny_backbone, small_splits):
+    _, tok = tiny_backbone
+    builder = PromptBuilder(tok, PromptConfig(template="compact"), 512)
+    reqs = small_splits["train"][:8]
+    plain = bootstrap_examples(builder, reqs, "set", seed=1)
+    mixed = bootstrap_examples(builder, reqs, "set", seed=1, shuffle_candidates=1.0)
+    assert all(sorted(p.grades) == sorted(m.grades) for p, m in zip(plain, mixed))
+    assert sum(p.grades != m.grades for p, m in zip(plain, mixed)) >= 6  # shown in another order
+    for req in reqs:  # every passage keeps its own grade
+        moved = shuffled(req, random.Random(0))
+        assert {c.docid: g for c, g in zip(moved.candidates, moved.grades)} == \
+            {c.docid: g for c, g in zip(req.candidates, req.grades)}
+
+
+def test_lora_bootstrap_keeps_the_best_held_out_weights_and_merges(tiny_backbone, small_splits):
+    from peft import PeftModel
+
+    from hllm.ranker import AdaptConfig
+    from hllm.training import bootstrap_loss
+
+    model, tok = tiny_backbone
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    builder = PromptBuilder(tok, PromptConfig(template="compact"), 512)
+    val = small_splits["val"][:4]
+    cfg = BootstrapConfig(train=TrainConfig(steps=12, batch_size=4, lr=3e-2, warmup_steps=1, log_every=3),
+                          adapt=AdaptConfig(mode="lora", lora_r=4, lora_alpha=8, lora_targets=["q_proj", "v_proj"]))
+    merged, history = bootstrap_teacher(model, builder, small_splits["train"], cfg, val=val)
+    assert not isinstance(merged, PeftModel) and "lora" not in " ".join(n for n, _ in merged.named_parameters())
+    rows = [r for r in history if "val_answer_nll" in r]
+    assert [r["step"] for r in rows] == [3, 6, 9, 12]
+    best = min(rows, key=lambda r: r["val_answer_nll"])
+    assert history[-1]["kept_step"] == best["step"]
+    with torch.no_grad():  # the returned weights are the kept step's, not the last step's
+        again = bootstrap_loss(merged, bootstrap_examples(builder, val, "set"), tok.pad_token_id, "cpu")[0]
+    assert float(again) == pytest.approx(best["val_answer_nll"], rel=1e-3)
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, before[n])]
+    assert changed and all(("q_proj" in n or "v_proj" in n) for n in changed)  # only where LoRA was
 
 
 def test_window_plan_back_to_front():
@@ -75,9 +116,14 @@ def test_window_plan_back_to_front():
 
 
 def test_sliding_windows_bubble_the_best_to_the_top():
-    from hllm.records import ParseCounts, TeacherRanking
+    from hllm.records import (
+        Candidate,
+        ParseCounts,
+        Query,
+        RerankRequest,
+        TeacherRanking,
+    )
     from hllm.windows import rank_with_windows
-    from hllm.records import Candidate, Query, RerankRequest
 
     def oracle(reqs):  # ranks by the number in the text: a perfect teacher for each window
         out = []

@@ -17,6 +17,8 @@ TINY_JOB = [
     "teacher.bootstrap_cfg.train.steps=3", "teacher.bootstrap_cfg.train.batch_size=4",
     "student.head.positions=6", "student.head.width=32", "student.adapt.lora_r=2",
     "student.train.steps=3", "student.train.batch_size=4", "eval.latency_requests=2", "eval.latency_warmup=1",
+    # a teacher of a few steps (or none) copies its input: the gates that stop that (tests/test_store.py) are off
+    "student.max_teacher_same_as_input=1.0", "student.max_teacher_tau_to_input=1.0",
 ]
 
 

@@ -1,0 +1,108 @@
+"""Quality on real text: first stage, AR teacher, single-pass student and the FIRST-style readout of
+the teacher, on a finished job's held-out queries and (optionally) on a second collection the
+job never saw.
+
+    python benchmarks/real_data.py runs/dl19-smollm2 [--transfer ../shared/data/cranfield] [--transfer-queries 40]
+
+Reads the job's `config.json` and `report.json` (first stage, teacher and student on its test
+split, as the job measured them), runs the FIRST-style readout (one prefill of the teacher's
+prompt, identifiers ranked by their logits where the answer starts) on the same slates, and for
+each `--transfer` collection (BEIR layout with `runs/bm25_top100.tsv`) reranks the queries of its
+hashed test split (the same `data.test_fraction` rule, capped at `--transfer-queries`) with all
+four. Writes `reports/real_data.csv` (collection, queries, split, method, nDCG@10, MRR@10) and
+its Markdown twin (`.md` beside it). Rows say how many queries they average; the first stage is always there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from hllm.ablations import scores_to_perm
+from hllm.baselines import first_style_scores
+from hllm.config import from_dict
+from hllm.evaluation import evaluate_student, evaluate_teacher, first_stage_order, quality
+from hllm.models import resolve_device
+from hllm.readers import read_slates
+from hllm.records import RerankRequest
+from hllm.reranker import Reranker
+from hllm.splits import load_splits, query_bucket
+from hllm.stages import load_teacher, teacher_model
+from pipelines.common import PipelineConfig
+
+FIELDS = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10"]
+log = logging.getLogger("hllm")
+
+
+def first_style(teacher, slates: list[RerankRequest], rel: int, batch: int = 4) -> dict[str, float]:
+    perms = []
+    for start in range(0, len(slates), batch):
+        perms += [scores_to_perm(s) for s in first_style_scores(teacher.model, teacher.prompts, slates[start: start + batch])]
+    return quality(slates, perms, rel)
+
+
+def rows_for(collection: str, split: str, slates: list[RerankRequest], metrics: dict[str, dict[str, float]]) -> list[dict]:
+    return [{"collection": collection, "queries": len(slates), "split": split, "method": method,
+             "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)} for method, m in metrics.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("job", help="a finished job's output_dir (config.json, report.json, teacher/, student/)")
+    parser.add_argument("--transfer", action="append", default=[], help="another BEIR-style collection to rerank")
+    parser.add_argument("--transfer-queries", type=int, default=40, help="at most this many of its test queries")
+    parser.add_argument("--out", default="reports/real_data.csv")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    job = Path(args.job)
+    cfg = from_dict(PipelineConfig, json.loads((job / "config.json").read_text()))  # the config that ran
+    report = json.loads((job / "report.json").read_text())
+    device = resolve_device(cfg.device)
+    rel, main_decoder = cfg.eval.binary_rel, cfg.eval.main_decoder
+    splits = load_splits(cfg.data)
+    teacher = load_teacher(teacher_model(cfg), cfg, device)  # the job's own teacher, as it ranked
+    student = Reranker.load(job / "student", device=str(device), merge_lora=True, decoder=main_decoder)
+    test = splits["test"]
+    if len(test) != report["test_slates"]:
+        raise RuntimeError(f"{job}: report.json has {report['test_slates']} test slates, the config's split {len(test)}")
+    name = Path(cfg.data.path).name if cfg.data.path else cfg.data.source
+    log.info("%s: FIRST-style readout on %d test queries", name, len(test))
+    rows = rows_for(name, "test", test, {
+        "first_stage": report["first_stage"], "teacher": report["teacher"],
+        "student": report["student"]["decoders"][main_decoder], "first_style": first_style(teacher, test, rel)})
+    for path in args.transfer:
+        slates = [s for s in read_slates("beir", path, top_n=cfg.data.top_n) if query_bucket(s.slate_id) < cfg.data.test_fraction]
+        slates = slates[: args.transfer_queries]
+        log.info("%s (never trained on): %d test queries, AR teacher + student + FIRST-style", Path(path).name, len(slates))
+        ranked = teacher.rank(slates)
+        rows += rows_for(Path(path).name, "transfer-test", slates, {
+            "first_stage": quality(slates, first_stage_order(slates), rel),
+            "teacher": evaluate_teacher(slates, ranked, rel),
+            "student": evaluate_student(student, slates, [r.permutation for r in ranked],
+                                        dataclasses.replace(cfg.eval, decoders=[main_decoder])).decoders[main_decoder],
+            "first_style": first_style(teacher, slates, rel)})
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    table = ["| " + " | ".join(FIELDS) + " |", "| --- | ---: | --- | --- | ---: | ---: |"]
+    table += ["| " + " | ".join(str(r[k]) for k in FIELDS) + " |" for r in rows]
+    teacher_name = cfg.teacher.model.preset + (" (bootstrapped on the train queries' qrels)" if cfg.teacher.bootstrap else "")
+    text = "\n".join([
+        f"Job `{job}`: teacher {teacher_name}, prompt `{cfg.prompt.template}`, top {cfg.data.top_n} of the first stage, "
+        f"passages cut to {cfg.prompt.max_doc_tokens} tokens. `test`: the job's held-out queries (split by a hash of the "
+        f"query id, never trained on); `transfer-test`: the same hash rule on a collection the job never saw. Means over "
+        f"the queries counted; MRR@10 counts grade >= {rel} as relevant. first_style: identifiers ranked by the "
+        f"teacher's logits where its answer starts (one prefill, no head).", "", *table])
+    print(text)
+    out.with_suffix(".md").write_text(f"# Real text: first stage, teacher, student\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
