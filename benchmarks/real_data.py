@@ -22,8 +22,7 @@ import json
 import logging
 from pathlib import Path
 
-from hllm.ablations import scores_to_perm
-from hllm.baselines import first_style_scores
+from hllm.baselines import first_style_orders
 from hllm.config import from_dict
 from hllm.evaluation import evaluate_student, evaluate_teacher, first_stage_order, quality
 from hllm.models import resolve_device
@@ -36,13 +35,6 @@ from pipelines.common import PipelineConfig
 
 FIELDS = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10"]
 log = logging.getLogger("hllm")
-
-
-def first_style(teacher, slates: list[RerankRequest], rel: int, batch: int = 4) -> dict[str, float]:
-    perms = []
-    for start in range(0, len(slates), batch):
-        perms += [scores_to_perm(s) for s in first_style_scores(teacher.model, teacher.prompts, slates[start: start + batch])]
-    return quality(slates, perms, rel)
 
 
 def rows_for(collection: str, split: str, slates: list[RerankRequest], metrics: dict[str, dict[str, float]]) -> list[dict]:
@@ -73,7 +65,7 @@ def main() -> None:
     log.info("%s: FIRST-style readout on %d test queries", name, len(test))
     rows = rows_for(name, "test", test, {
         "first_stage": report["first_stage"], "teacher": report["teacher"],
-        "student": report["student"]["decoders"][main_decoder], "first_style": first_style(teacher, test, rel)})
+        "student": report["student"]["decoders"][main_decoder], "first_style": quality(test, first_style_orders(teacher.model, teacher.prompts, test, 4), rel)})
     for path in args.transfer:
         slates = [s for s in read_slates("beir", path, top_n=cfg.data.top_n) if query_bucket(s.slate_id) < cfg.data.test_fraction]
         slates = slates[: args.transfer_queries]
@@ -84,7 +76,7 @@ def main() -> None:
             "teacher": evaluate_teacher(slates, ranked, rel),
             "student": evaluate_student(student, slates, [r.permutation for r in ranked],
                                         dataclasses.replace(cfg.eval, decoders=[main_decoder])).decoders[main_decoder],
-            "first_style": first_style(teacher, slates, rel)})
+            "first_style": quality(slates, first_style_orders(teacher.model, teacher.prompts, slates, 4), rel)})
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     with out.open("w", newline="") as f:

@@ -45,3 +45,13 @@ def first_style_scores(causal_lm, builder: PromptBuilder, requests: list[RerankR
                     logits_to_keep=1, use_cache=False)
     last = out.logits[:, -1].float().cpu().numpy()  # (B, V)
     return [last[row, firsts[: len(r.candidates)]] for row, r in enumerate(requests)]
+
+
+def first_style_orders(causal_lm, builder: PromptBuilder, requests: list[RerankRequest], batch_size: int = 32
+                       ) -> list[list[int]]:
+    """-> per request the FIRST-style ranking (identifiers by their logit, best first), in batches."""
+    orders = []
+    for start in range(0, len(requests), batch_size):
+        for scores in first_style_scores(causal_lm, builder, requests[start: start + batch_size]):
+            orders.append(np.argsort(-scores, kind="stable").tolist())
+    return orders

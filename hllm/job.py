@@ -98,7 +98,9 @@ class JobConfig:
     sized_for: str = "tiny"
 
     def __post_init__(self) -> None:
-        presets = {self.teacher.model.preset} | ({self.student.model.preset} if self.student.model else set())
+        # the teacher's preset: its bootstrap and generation are what the sizes make cheap or hours long (a
+        # student with its own backbone is an explicit choice in the same config, as in ablation cells)
+        presets = {self.teacher.model.preset}
         if presets != {self.sized_for}:
             raise ConfigError(
                 f"the job's models are {sorted(presets)} but its step counts, batch sizes and latency requests were "

@@ -136,13 +136,11 @@ def measure_latency(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell]
 
 def baselines(cfg: PipelineConfig, teacher, test_rankings: Rankings) -> dict[str, Baseline]:
     """First-stage order, FIRST-style single pass on the teacher's prefill, the AR teacher itself."""
-    from hllm.baselines import first_style_scores
+    from hllm.baselines import first_style_orders
     from hllm.evaluation import first_stage_order
 
     test, teacher_perms = test_rankings.slates, test_rankings.permutations
-    first = []
-    for start in range(0, len(test), 32):
-        first += [scores_to_perm(s) for s in first_style_scores(teacher.model, teacher.prompts, test[start: start + 32])]
+    first = first_style_orders(teacher.model, teacher.prompts, test)
     rel = cfg.eval.binary_rel
     return {"first stage": baseline_metrics(test, first_stage_order(test), teacher_perms, rel),
             "FIRST-style": baseline_metrics(test, first, teacher_perms, rel),
