@@ -162,3 +162,57 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """A config dataclass's one-line field docs, read from its source (and its bases'): the comment
+    at the end of the field's line, else the comment lines right above it."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        docs.update({k: v for k, v in _own_field_docs(klass).items() if v or k not in docs})
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    import inspect
+    import io
+    import tokenize
+
+    source = inspect.getsource(cls)
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    names = {f.name for f in dataclasses.fields(cls)}
+    docs: dict[str, str] = {}
+    for lineno, line in enumerate(lines, start=1):
+        head = line.strip().split(":", 1)[0]
+        if head not in names or head in docs or not line.strip().startswith(f"{head}:"):
+            continue
+        if lineno in comments and not lines[lineno - 1].strip().startswith("#"):
+            docs[head] = comments[lineno]
+            continue
+        above, k = [], lineno - 1
+        while k in comments and lines[k - 1].strip().startswith("#"):
+            above.insert(0, comments[k])
+            k -= 1
+        docs[head] = " ".join(above)
+    return docs
+
+
+def describe(cls: type, config: Any = None, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
+    """Every key of a (nested) config dataclass -> [(dotted key, value in `config`, default, doc)]."""
+    defaults = cls()
+    config = defaults if config is None else config
+    docs = field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value, default = getattr(config, f.name), getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value) or dataclasses.is_dataclass(default):
+            sub = type(value if dataclasses.is_dataclass(value) else default)
+            if value is not None and default is not None:
+                rows += describe(sub, value, f"{prefix}{f.name}.")
+                continue
+        rows.append((f"{prefix}{f.name}", value, default, docs.get(f.name, "")))
+    return rows

@@ -29,11 +29,11 @@ from hllm.reranker import Reranker
 class EvalConfig:
     """Held-out evaluation."""
 
-    decoders: list[str] = field(default_factory=lambda: list(DECODERS))
-    main_decoder: str = "hungarian"
+    decoders: list[str] = field(default_factory=lambda: list(DECODERS))  # decoders evaluated side by side
+    main_decoder: str = "hungarian"  # the one the summary and Serve use
     binary_rel: int = 2  # MRR@10 / R@10 count grade >= this as relevant
-    latency_requests: int = 20
-    latency_warmup: int = 3
+    latency_requests: int = 20  # timed requests per method in the latency profile
+    latency_warmup: int = 3  # untimed requests first
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.decoders + [self.main_decoder]) - set(DECODERS))

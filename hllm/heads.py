@@ -21,12 +21,12 @@ from torch import nn
 class HeadConfig:
     """The single-pass head."""
 
-    kind: Literal["attention", "linear", "scalar"] = "attention"
+    kind: Literal["attention", "linear", "scalar"] = "attention"  # attention: the paper's; linear / scalar: ablations
     positions: int = 20  # K; use the slate size N for K = N, fewer for a rectangular top-K head
     layers: int = 2  # attention head: encoder layers
     width: int = 256  # attention head: model width
-    num_heads: int = 4
-    dropout: float = 0.0
+    num_heads: int = 4  # attention head: attention heads
+    dropout: float = 0.0  # attention head: dropout while training
 
     def __post_init__(self) -> None:
         if self.positions < 1:

@@ -28,11 +28,11 @@ from hllm.training import BootstrapConfig, LossConfig, TrainConfig
 class DataConfig:
     """Where slates come from. `synthetic` is the embedded default; files are split by query id."""
 
-    source: Literal["synthetic", "beir", "rank_llm", "hllm"] = "synthetic"
+    source: Literal["synthetic", "beir", "rank_llm", "hllm"] = "synthetic"  # a reader in hllm.readers.READERS
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    path: str | None = None
+    path: str | None = None  # file sources: the BEIR folder or JSONL file
     run_file: str | None = None  # beir: first-stage run (default runs/bm25_top100.tsv)
-    top_n: int = 20
+    top_n: int = 20  # file sources: first-stage candidates per slate (N)
     val_fraction: float = 0.1  # file sources: share of queries held out for validation ...
     test_fraction: float = 0.2  # ... and for the test split
 
@@ -52,7 +52,7 @@ class TeacherStageConfig:
     """The AR teacher: bootstrapped from the tiny model, or any causal LM (`bootstrap: false`)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    bootstrap: bool = True
+    bootstrap: bool = True  # fine-tune `model` on the train queries' gold rankings first
     bootstrap_cfg: BootstrapConfig = field(default_factory=BootstrapConfig)
     generation: TeacherConfig = field(default_factory=lambda: TeacherConfig(repair=True))
 
@@ -62,7 +62,7 @@ class StudentStageConfig:
     """The single-pass student. Its prompt is always the job's `prompt` section (one prompt for
     teacher and student); its backbone is the teacher's weights (`init_from_teacher`) or `model`."""
 
-    init_from_teacher: bool = True
+    init_from_teacher: bool = True  # the student's backbone starts from the teacher's weights
     model: ModelConfig | None = None  # only with init_from_teacher: false
     adapt: AdaptConfig = field(default_factory=lambda: AdaptConfig(lora_r=16, lora_alpha=32))
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -83,10 +83,10 @@ class StudentStageConfig:
 
 @dataclass
 class JobConfig:
-    output_dir: str = "runs/default"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    output_dir: str = "runs/default"  # every stage's outputs (shared storage on a multi-node cluster)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda where available
     threads: int | None = None  # torch intra-op threads (None: torch's default)
-    seed: int = 0
+    seed: int = 0  # data splits and anything else not seeded by its own section
     data: DataConfig = field(default_factory=DataConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     teacher: TeacherStageConfig = field(default_factory=TeacherStageConfig)

@@ -35,18 +35,18 @@ _WORD_PATTERN = r"\[\d+\]|[a-z]+|\d+|[^\sa-z\d]"
 class ModelConfig:
     """Which backbone to load, and how."""
 
-    preset: Literal["tiny", "smollm2-135m", "hf"] = "tiny"
+    preset: Literal["tiny", "smollm2-135m", "hf"] = "tiny"  # tiny: built from config; smollm2-135m: the offline GGUF; hf: `path`
     path: str | None = None  # `hf`: a local model directory or hub id already in the local cache
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
     trust_remote_code: bool = False  # only for `hf`, and only when you trust the directory
     context_length: int = 1024  # prompt + output budget in tokens
     # `tiny` architecture
-    hidden_size: int = 128
-    layers: int = 4
-    heads: int = 4
-    intermediate_size: int = 384
+    hidden_size: int = 128  # tiny preset: model width
+    layers: int = 4  # tiny preset: decoder layers
+    heads: int = 4  # tiny preset: attention heads
+    intermediate_size: int = 384  # tiny preset: MLP width
     max_items: int = 100  # identifiers [1]..[max_items] in the tiny vocabulary
-    seed: int = 0
+    seed: int = 0  # tiny preset: initialisation seed
 
     def __post_init__(self) -> None:
         if self.preset == "hf" and not self.path:

@@ -53,9 +53,9 @@ def template_text() -> str:
 class PromptConfig:
     """How slates become prompts."""
 
-    template: Literal["rankgpt", "compact"] = "rankgpt"
+    template: Literal["rankgpt", "compact"] = "rankgpt"  # prompt wording (hllm.prompts.TEMPLATES)
     max_doc_tokens: int = 96  # per-candidate cap, before the context budget is applied
-    max_query_tokens: int = 48
+    max_query_tokens: int = 48  # longer queries are cut (and counted)
     use_chat_template: bool = True  # when the tokenizer has one
 
     def __post_init__(self) -> None:

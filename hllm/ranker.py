@@ -38,11 +38,11 @@ CONFIG_FILE = "hllm_ranker.json"
 class AdaptConfig:
     """How the backbone is adapted: frozen, LoRA, or full fine-tuning."""
 
-    mode: Literal["lora", "frozen", "full"] = "lora"
-    lora_r: int = 64
-    lora_alpha: int = 128
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: [
+    mode: Literal["lora", "frozen", "full"] = "lora"  # how the backbone trains
+    lora_r: int = 64  # LoRA rank (the paper: 64)
+    lora_alpha: int = 128  # LoRA scale numerator (scale = alpha / r)
+    lora_dropout: float = 0.0  # LoRA dropout while training
+    lora_targets: list[str] = field(default_factory=lambda: [  # modules LoRA adapts
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
     def __post_init__(self) -> None:

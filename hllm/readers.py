@@ -5,6 +5,10 @@
   the 6-column `qid Q0 docid rank score tag` form is accepted too) -> the top N per query.
 - `rank_llm`: rank_llm's request JSONL, `{"query": {"text", "qid"}, "candidates": [{"docid", "score", "doc"}]}`.
 - `hllm`: this project's own JSONL, one `RerankRequest` as a dict per line (see `write_jsonl`).
+- `tsv`: `qid<TAB>docid<TAB>text` rows with the query texts in `queries` (a `qid<TAB>text` TSV or
+  BEIR's queries.jsonl), or `qid<TAB>query<TAB>docid<TAB>text` rows; candidates in file order.
+
+A query with no candidates is an error too: it could not be reranked, and must not vanish.
 
 Every malformed line is a `DataFormatError` naming the file and the line number.
 """
@@ -147,6 +151,8 @@ def read_rank_llm(path: str | Path, top_n: int | None = None) -> list[RerankRequ
                 text, title = doc, ""
             cands.append(Candidate(docid=str(_field(c, "docid", path, lineno, where)), text=str(text),
                                    score=float(c["score"]) if c.get("score") is not None else None, title=title))
+        if not cands:
+            raise DataFormatError(f"{path}:{lineno}: query {query.qid!r} has no candidates")
         slates.append(RerankRequest(query, cands[:top_n] if top_n else cands))
     return slates
 
@@ -159,11 +165,54 @@ def read_hllm(path: str | Path, top_n: int | None = None) -> list[RerankRequest]
             req = request_from_dict(obj)
         except (KeyError, TypeError) as err:
             raise DataFormatError(f"{path}:{lineno}: not an hllm slate ({err})") from None
+        if not req.candidates:
+            raise DataFormatError(f"{path}:{lineno}: query {req.slate_id!r} has no candidates")
         if top_n:
             req.candidates = req.candidates[:top_n]
             req.grades = req.grades[:top_n] if req.grades else req.grades
         slates.append(req)
     return slates
+
+
+def _query_texts(path: Path) -> dict[str, str]:
+    if path.suffix == ".jsonl":
+        return {str(_field(o, "_id", path, n)): str(_field(o, "text", path, n)) for n, o in _jsonl(path)}
+    texts = {}
+    with open(path, encoding="utf-8", newline="") as fh:
+        for lineno, row in enumerate(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
+            if row and "".join(row).strip():
+                if len(row) != 2:
+                    raise DataFormatError(f"{path}:{lineno}: expected qid<TAB>text, got {len(row)} columns")
+                texts[row[0]] = row[1]
+    return texts
+
+
+def read_tsv(path: str | Path, top_n: int | None = None, queries: str | Path | None = None) -> list[RerankRequest]:
+    """(qid, docid, text) rows + a queries file, or (qid, query, docid, text) rows -> slates."""
+    path = Path(path)
+    texts = _query_texts(Path(queries)) if queries else {}
+    slates: dict[str, RerankRequest] = {}
+    with open(path, encoding="utf-8", newline="") as fh:
+        for lineno, row in enumerate(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
+            if not row or not "".join(row).strip():
+                continue
+            if len(row) == 4:
+                qid, qtext, docid, text = row
+            elif len(row) == 3 and queries:
+                qid, docid, text = row
+                if qid not in texts:
+                    raise DataFormatError(f"{path}:{lineno}: query {qid!r} is not in {queries}")
+                qtext = texts[qid]
+            else:
+                need = "3 (qid, docid, text; queries from --queries)" if queries else \
+                    "4 (qid, query, docid, text), or 3 with a queries file"
+                raise DataFormatError(f"{path}:{lineno}: expected {need} tab-separated columns, got {len(row)}")
+            slate = slates.setdefault(qid, RerankRequest(Query(qid, qtext), []))
+            if top_n is None or len(slate.candidates) < top_n:
+                slate.candidates.append(Candidate(docid=docid, text=text))
+    if not slates:
+        raise DataFormatError(f"{path}: no rows")
+    return list(slates.values())
 
 
 def write_jsonl(slates: list[RerankRequest], path: str | Path) -> None:
@@ -177,6 +226,7 @@ READERS: dict[str, Callable[..., list[RerankRequest]]] = {
     "beir": read_beir,
     "rank_llm": read_rank_llm,
     "hllm": read_hllm,
+    "tsv": read_tsv,
 }
 
 

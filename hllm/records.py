@@ -89,7 +89,7 @@ class TeacherRanking:
     prompt_tokens: int = 0
     output_tokens: int = 0
     latency_s: float = 0.0
-    windows: list[list[int]] = field(default_factory=list)  # sliding windows used, if any
+    windows: list[list[int]] = field(default_factory=list)  # candidates (input indices) of each window ranked, if any
     node: str = ""  # provenance: the worker (Ray node id) that generated it, where one is known
 
 

@@ -5,10 +5,14 @@
     reranker.rank("red leather boots", ["acme red leather boots", "blue shirt"])
     # -> [RankedDocument(index=0, score=1.0), RankedDocument(index=1, score=0.5)]
 
-One path for every caller (Serve, the evaluation, the benchmarks, the ablations): encode the
-prompt -> one batched prefill + head -> an (n, min(K, n)) score matrix per query -> a decoder
+One path for every caller (Serve, the CLI, the evaluation, the benchmarks, the ablations): encode
+the prompt -> one batched prefill + head -> an (n, min(K, n)) score matrix per query -> a decoder
 (Hungarian by default) -> a permutation. The pieces are public so a server can batch across
 requests (`encode`, `score_encoded`, `decode`); `rank` and `rank_batch` chain them.
+
+Lists longer than `window` (longer than the context allows, or than the head was trained on) are
+ranked in windows (`hllm.windows`: RankGPT sliding windows or a block tournament), one prefill per
+window, every query's windows of a round in one batch; their scores are then rank-derived.
 
 Model URIs other than local paths (`runs:/`, `models:/`, ...) are resolved by plug-ins registered
 under the entry-point group `hllm.model_uris` (this project registers MLflow's), so the library
@@ -31,8 +35,9 @@ from hllm.models import resolve_device
 from hllm.prompts import EncodedPrompt, PromptTooLong, collate
 from hllm.ranker import SinglePassRanker
 from hllm.records import RerankRequest
+from hllm.windows import WINDOWINGS, rank_in_windows
 
-__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "resolve_model_uri"]
+__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "Windowed", "resolve_model_uri"]
 URI_GROUP = "hllm.model_uris"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 
@@ -40,7 +45,7 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 @dataclass(frozen=True)
 class RankedDocument:
     index: int  # position of the document in the input list
-    score: float  # strictly decreasing along the ranking (from the decoder's rank, not a probability)
+    score: float  # strictly decreasing along the ranking (the decoder's, or 1 - rank/N across windows): not a probability
 
 
 def resolve_model_uri(uri: str | Path) -> Path:
@@ -64,17 +69,26 @@ class Reranker:
     """A single-pass student for inference. Build it with `Reranker.load`, or wrap a trained
     `SinglePassRanker` (`Reranker(ranker)`) to evaluate it as it will be served."""
 
-    def __init__(self, model: SinglePassRanker, decoder: str = "hungarian", batch_size: int = 32):
+    def __init__(self, model: SinglePassRanker, decoder: str = "hungarian", batch_size: int = 32,
+                 window: int | None = None, stride: int | None = None, windowing: str = "sliding"):
+        """`window`: lists longer than this are ranked in windows of this many documents (None: every
+        list in one pass); `stride` (sliding; default window // 2); `windowing`: sliding or blocks."""
         if decoder not in DECODERS:
             raise ValueError(f"unknown decoder {decoder!r}; known: {sorted(DECODERS)}")
+        if windowing not in WINDOWINGS:
+            raise ValueError(f"unknown windowing {windowing!r}; known: {sorted(WINDOWINGS)}")
+        if window is not None and not (2 <= window and 1 <= (stride or window // 2) <= window):
+            raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
         self.model, self.decoder, self.batch_size = model.eval(), decoder, batch_size
+        self.window, self.stride, self.windowing = window, stride, windowing
 
     @classmethod
     def load(cls, path_or_uri: str | Path, *, device: str = "auto", dtype: str | None = None, merge_lora: bool = True,
-             decoder: str = "hungarian", batch_size: int = 32) -> "Reranker":
+             decoder: str = "hungarian", batch_size: int = 32, window: int | None = None, stride: int | None = None,
+             windowing: str = "sliding") -> "Reranker":
         """`merge_lora` folds LoRA into the base weights: the same scores, no adapter matmuls."""
         model = SinglePassRanker.load(resolve_model_uri(path_or_uri), dtype=dtype, merge_lora=merge_lora)
-        return cls(model.to(resolve_device(device)), decoder, batch_size)
+        return cls(model.to(resolve_device(device)), decoder, batch_size, window, stride, windowing)
 
     @property
     def device(self) -> torch.device:
@@ -133,15 +147,49 @@ class Reranker:
 
     def rank_batch(self, queries: Sequence[str], documents: Sequence[Sequence[str]], top_k: int | None = None,
                    batch_size: int | None = None, decoder: str | None = None) -> list[list[RankedDocument]]:
-        """Many queries, each with its own documents; `batch_size` queries per forward pass."""
+        """Many queries, each with its own documents; `batch_size` prompts per forward pass. Lists
+        longer than `self.window` go through windows (see the module docstring)."""
         if len(queries) != len(documents):
             raise ValueError(f"{len(queries)} queries but {len(documents)} document lists")
         size = batch_size or self.batch_size
-        out: list[list[RankedDocument]] = []
-        for start in range(0, len(queries), size):
-            prompts = [self.encode(q, d) for q, d in zip(queries[start: start + size], documents[start: start + size])]
-            for matrix in self.score_encoded(prompts):
+        long = [i for i, d in enumerate(documents) if self.window is not None and len(d) > self.window]
+        short = sorted(set(range(len(queries))) - set(long))
+        out: dict[int, list[RankedDocument]] = {}
+        for start in range(0, len(short), size):
+            chunk = short[start: start + size]
+            for i, matrix in zip(chunk, self.score_encoded([self.encode(queries[i], documents[i]) for i in chunk])):
                 decoded = self.decode(matrix, decoder)
-                top = decoded.permutation[:top_k] if top_k is not None else decoded.permutation
-                out.append([RankedDocument(int(i), float(decoded.item_scores[i])) for i in top])
-        return out
+                out[i] = [RankedDocument(int(j), float(decoded.item_scores[j])) for j in decoded.permutation]
+        if long:
+            orders = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder).orders
+            for i, order in zip(long, orders):
+                out[i] = [RankedDocument(j, 1.0 - r / len(order)) for r, j in enumerate(order)]
+        return [out[i][:top_k] if top_k is not None else out[i] for i in range(len(queries))]
+
+    def windowed_orders(self, queries: Sequence[str], documents: Sequence[Sequence[str]], batch_size: int | None = None,
+                        decoder: str | None = None) -> "Windowed":
+        """Each query's order of all its documents, ranked window by window (see the module docstring)."""
+        if self.window is None:
+            raise ValueError("windowed ranking needs a window (Reranker(window=...))")
+        size = batch_size or self.batch_size
+        tokens = [0] * len(queries)
+
+        def rank_windows(flat: list[tuple[int, list[int]]]) -> list[list[int]]:
+            prompts = [self.encode(queries[i], [documents[i][j] for j in idx]) for i, idx in flat]
+            for (i, _), prompt in zip(flat, prompts):
+                tokens[i] += len(prompt.input_ids)
+            matrices = []
+            for start in range(0, len(prompts), size):
+                matrices += self.score_encoded(prompts[start: start + size])
+            return [self.decode(m, decoder).permutation.tolist() for m in matrices]
+
+        stride = self.stride or self.window // 2
+        orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
+        return Windowed(orders, windows, tokens)
+
+
+@dataclass(frozen=True)
+class Windowed:
+    orders: list[list[int]]  # per query: document indices, best first
+    windows: list[int]  # per query: windows ranked = prefills
+    prompt_tokens: list[int]  # per query: tokens over all its windows

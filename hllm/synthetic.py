@@ -43,16 +43,16 @@ VOCABULARY = sorted({*CATEGORIES, *(s for syn in CATEGORIES.values() for s in sy
 class SyntheticConfig:
     """The embedded default data set (sizes are slates per split)."""
 
-    seed: int = 0
-    catalogue_size: int = 3000
+    seed: int = 0  # generator seed: the same seed, the same catalogue and slates
+    catalogue_size: int = 3000  # products in the catalogue
     slate_size: int = 20  # N, candidates per slate
-    train_slates: int = 3000
-    val_slates: int = 200
-    test_slates: int = 300
+    train_slates: int = 3000  # slates (one query each) in the train split
+    val_slates: int = 200  # ... in the validation split
+    test_slates: int = 300  # ... in the test split
     synonym_rate: float = 0.35  # share of queries naming the category by a synonym
     pairs_with_rate: float = 0.5  # share of titles naming another category ("pairs with boots")
     min_attributes: int = 1  # attributes a query names (of brand, colour, material), min..max
-    max_attributes: int = 3
+    max_attributes: int = 3  # (see min_attributes)
 
     def __post_init__(self) -> None:
         if self.slate_size < 2:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -26,12 +27,13 @@ from hllm.windows import rank_with_windows
 class TeacherConfig:
     """How the AR teacher generates."""
 
-    batch_size: int = 32
+    batch_size: int = 32  # slates per generate() call
     constrained: bool = False  # only valid continuations at each step
     repair: bool = False  # turn flawed answers into permutations (missing ids appended)
     max_new_tokens: int | None = None  # default: the full answer's length + 2
-    window: int | None = None  # slates longer than this are ranked in sliding windows
-    stride: int = 10
+    window: int | None = None  # slates longer than this are ranked in windows (hllm.windows)
+    stride: int = 10  # sliding windows: how far each window moves up
+    windowing: Literal["sliding", "blocks"] = "sliding"  # RankGPT sliding windows, or a block tournament
 
     def __post_init__(self) -> None:
         if self.window is not None and not (2 <= self.window and 1 <= self.stride <= self.window):
@@ -129,9 +131,9 @@ class ARTeacher:
         return results
 
     def rank(self, requests: list[RerankRequest]) -> list[TeacherRanking]:
-        """Slates longer than `window` go through RankGPT sliding windows; the rest in one prompt."""
+        """Slates longer than `window` go through windows (`cfg.windowing`); the rest in one prompt."""
         if self.cfg.window and any(len(r.candidates) > self.cfg.window for r in requests):
-            return rank_with_windows(self.rank_direct, requests, self.cfg.window, self.cfg.stride)
+            return rank_with_windows(self.rank_direct, requests, self.cfg.window, self.cfg.stride, self.cfg.windowing)
         return self.rank_direct(requests)
 
     def rank_direct(self, requests: list[RerankRequest]) -> list[TeacherRanking]:

@@ -34,15 +34,15 @@ from hllm.records import RankedSlate, RerankRequest
 class TrainConfig:
     """An optimisation run (student or teacher bootstrap)."""
 
-    steps: int = 300
-    batch_size: int = 16
-    lr: float = 1e-3
+    steps: int = 300  # optimiser steps
+    batch_size: int = 16  # slates per step (over all workers)
+    lr: float = 1e-3  # peak learning rate (AdamW), cosine decay after warm-up
     head_lr: float | None = None  # default: lr
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = 25
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 20  # linear warm-up steps
+    grad_clip: float = 1.0  # max gradient norm
+    seed: int = 0  # data order and initialisation
+    log_every: int = 25  # steps between train/held-out loss logs
     time_budget_s: float | None = None  # stop early (and say so) once exceeded
     # bf16 autocast of the forward pass. None (auto): on CUDA, and on CPUs with native bf16 (AMX /
     # AVX512-BF16); elsewhere emulated bf16 runs ~70x slower than fp32, so it stays off
@@ -57,7 +57,7 @@ class TrainConfig:
 class LossConfig:
     """Which losses, with weights. Teacher terms need teacher rankings, graded terms need grades."""
 
-    terms: dict[str, float] = field(default_factory=lambda: {"position_ce": 1.0})
+    terms: dict[str, float] = field(default_factory=lambda: {"position_ce": 1.0})  # loss name -> weight (hllm.losses.LOSSES)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.terms) - set(LOSSES))
@@ -257,7 +257,7 @@ class BootstrapConfig:
     """Fine-tuning the tiny causal LM into a listwise teacher on gold permutations."""
 
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=600, batch_size=32, lr=3e-3, warmup_steps=30))
-    loss: Literal["set", "exact"] = "set"
+    loss: Literal["set", "exact"] = "set"  # answer loss: set (any order of tied grades is right) or exact
     # curriculum by multi-tasking: also predict each candidate's grade ("0".."3") at its last
     # token through the LM head, so relevance is learned alongside (not after) the format
     grade_weight: float = 1.0

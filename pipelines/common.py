@@ -24,11 +24,11 @@ class ClusterConfig:
 
     address: str | None = None  # None: RAY_ADDRESS or a running cluster, else start a local one
     local_cpus: int = 4  # logical CPUs of a local Ray (more than cores, so Data's I/O tasks never starve)
-    teacher_actors: int = 2
-    teacher_cpus_per_actor: float = 1.0
+    teacher_actors: int = 2  # Ray Data actors generating teacher rankings (a GPU each where present)
+    teacher_cpus_per_actor: float = 1.0  # CPUs reserved per teacher actor
     teacher_batch_slates: int = 32  # slates per map_batches batch (and per output shard)
-    train_workers: int = 2
-    train_cpus_per_worker: float = 1.0
+    train_workers: int = 2  # Ray Train workers (DeepSpeed data parallel)
+    train_cpus_per_worker: float = 1.0  # CPUs reserved per train worker
     use_gpu: bool | None = None  # None: use GPUs when the cluster has them
     serve_port: int = 8000  # full.py's deployment (bound to 127.0.0.1)
     spread: bool = False  # place teacher actors and train workers on as many nodes as possible
@@ -43,8 +43,8 @@ class TrackingConfig:
     """MLflow: local sqlite by default, any tracking URI by config."""
 
     tracking_uri: str | None = None  # None: sqlite:///<output_dir>/mlflow.db
-    experiment: str = "hllm"
-    run_name: str | None = None
+    experiment: str = "hllm"  # MLflow experiment
+    run_name: str | None = None  # MLflow run name (None: the stage's name)
 
 
 @dataclass
@@ -52,8 +52,8 @@ class DistillConfig:
     """Ray Train / DeepSpeed settings (the optimisation itself is `student.train`)."""
 
     zero_stage: Literal[0, 1, 2] = 2  # ZeRO-3 would need a parameter gather before saving
-    checkpoint_every: int = 50
-    max_failures: int = 2
+    checkpoint_every: int = 50  # steps between Ray Train checkpoints (a failed worker resumes from the last)
+    max_failures: int = 2  # worker failures Ray Train recovers from before the stage fails
 
 
 @dataclass

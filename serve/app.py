@@ -11,11 +11,13 @@ message: never a 500. Set `HLLM_API_TOKEN` to require `Authorization: Bearer <to
 
 
 import argparse
+import asyncio
 import hmac
 import os
 import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -42,6 +44,11 @@ class AppArgs(BaseModel):
     device: str = "auto"
     threads: int | None = None
     merge_lora: bool = True  # fold LoRA into the base weights at load: same scores, faster prefill
+    # requests with more documents than `window` are ranked in windows, one prefill each (None: every
+    # request in one pass, up to max_documents); scores are then rank-derived (1 - rank / N)
+    window: int | None = None
+    stride: int | None = None  # sliding windows' step (None: window // 2)
+    windowing: Literal["sliding", "blocks"] = "sliding"
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -78,7 +85,8 @@ class RerankDeployment:
         if self.args.tracking_uri:
             os.environ["MLFLOW_TRACKING_URI"] = self.args.tracking_uri
         self.reranker = Reranker.load(self.args.model, device=self.args.device, merge_lora=self.args.merge_lora,
-                                      decoder=self.args.decoder)
+                                      decoder=self.args.decoder, window=self.args.window, stride=self.args.stride,
+                                      windowing=self.args.windowing)
         api.state.max_body_bytes = self.args.max_body_bytes
 
     def reconfigure(self, user_config: dict) -> None:
@@ -102,6 +110,9 @@ class RerankDeployment:
         texts = body.texts()
         if len(texts) > self.args.max_documents:
             return _error(413, f"{len(texts)} documents exceed this model's limit of {self.args.max_documents}")
+        decoder = body.decoder or self.args.decoder
+        if self.args.window is not None and len(texts) > self.args.window:
+            return await self._rerank_windows(body, texts, decoder, t0)
         try:
             prompt = self.reranker.encode(body.query, texts)
         except PromptTooLong as err:
@@ -109,7 +120,6 @@ class RerankDeployment:
         t_tok = time.perf_counter()
         matrix, batch_size, forward_ms = await self._score(prompt)
         t_fwd = time.perf_counter()
-        decoder = body.decoder or self.args.decoder
         decoded = self.reranker.decode(matrix, decoder)
         t_dec = time.perf_counter()
         top = decoded.permutation[: body.top_n or len(texts)]
@@ -126,6 +136,23 @@ class RerankDeployment:
                 "tokenize": 1000 * (t_tok - t0), "queue_and_forward": 1000 * (t_fwd - t_tok),
                 "forward_batch": forward_ms, "decode": 1000 * (t_dec - t_fwd), "total": 1000 * (time.perf_counter() - t0)}),
         )
+
+    async def _rerank_windows(self, body: RerankBody, texts: list[str], decoder: str, t0: float):
+        """A long list: one prefill per window, off the event loop (not batched with other requests)."""
+        from hllm import PromptTooLong
+
+        try:
+            ranked = await asyncio.to_thread(self.reranker.windowed_orders, [body.query], [texts], None, decoder)
+        except PromptTooLong as err:
+            return _error(413, str(err))
+        order, tokens = ranked.orders[0], ranked.prompt_tokens[0]
+        results = [RerankResult(index=i, relevance_score=1.0 - r / len(order), rank=r + 1,
+                                document=ResultDocument(text=texts[i]) if body.return_documents else None)
+                   for r, i in enumerate(order[: body.top_n or len(texts)])]
+        return RerankResponse(
+            id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
+            results=results, meta=Meta(decoder=decoder, batch_size=1, windows=ranked.windows[0],
+                                       timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
 
     @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True)
     async def rerank_v1(self, body: RerankBody):

@@ -52,6 +52,7 @@ class Meta(BaseModel):
     decoder: str
     timings_ms: dict[str, float]
     batch_size: int  # requests that shared this forward pass
+    windows: int = 1  # prefills this request took (more than one: a list longer than the window)
 
 
 class RerankResponse(BaseModel):

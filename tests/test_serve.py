@@ -169,6 +169,29 @@ def test_bearer_auth_both_ways(app, student_dir):
         serve.delete("secure")
 
 
+def test_long_lists_are_ranked_in_windows(app, student_dir):
+    from ray import serve
+
+    from serve.app import AppArgs, RerankDeployment
+
+    windowed = RerankDeployment.options(name="Windowed", ray_actor_options={"num_cpus": 0.5})
+    serve.run(windowed.bind(AppArgs(model=str(student_dir), window=4, stride=2, max_documents=40).model_dump()),
+              name="windowed", route_prefix="/windowed")
+    try:
+        docs = [f"{d} {i}" for i in range(6) for d in DOCS]  # 30 documents, window 4
+        out = requests.post(URL + "/windowed/v1/rerank", json={"query": "red boots", "documents": docs}, timeout=60).json()
+        order = [r["index"] for r in out["results"]]
+        assert sorted(order) == list(range(30)) and out["meta"]["windows"] == (30 - 4) // 2 + 1
+        scores = [r["relevance_score"] for r in out["results"]]
+        assert scores == sorted(scores, reverse=True) and out["usage"]["prompt_tokens"] > 0
+        library = Reranker.load(student_dir, window=4, stride=2).rank("red boots", docs)
+        assert order == [r.index for r in library]
+        short = requests.post(URL + "/windowed/v1/rerank", json={"query": "red boots", "documents": DOCS[:4]}, timeout=60).json()
+        assert short["meta"]["windows"] == 1 and short["meta"]["batch_size"] >= 1
+    finally:
+        serve.delete("windowed")
+
+
 def test_replica_killed_under_load_loses_at_most_one_percent_and_recovers(app, student_dir):
     from ray import serve
 

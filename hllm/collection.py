@@ -1,0 +1,128 @@
+"""Reranking a whole collection into a TREC run, with the student or, for comparison, the AR teacher.
+
+    spec = RerankSpec(model="runs/default/student")                 # or teacher="runs/default"
+    path, stats = rerank_collection(spec, slates, "run.trec", shard_size=64)
+
+Queries go in shards (`hllm.runfile.ShardedRun`): each shard is ranked by a `ShardRanker` (loaded
+once per process, or once per Ray actor when a caller passes `map_shards`) and written atomically;
+a re-run resumes from the shards on disk. Lists longer than the window are ranked in windows, one
+prefill (student) or one generation (teacher) per window. A teacher answer that yields no
+permutation keeps that query's first-stage order and is counted (`failed`), never hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from hllm.records import RerankRequest
+from hllm.runfile import ShardedRun
+
+STATS = ("queries", "windows", "failed")
+
+
+@dataclass
+class RerankSpec:
+    """What ranks the queries and how; travels to Ray actors as a dict."""
+
+    model: str | None = None  # a student: folder, runs:/RUN_ID/student or models:/NAME@ALIAS
+    teacher: str | None = None  # or a job's output folder: its AR teacher (config.json says which)
+    window: int | None = None  # None: the student head's K positions (teacher: 20)
+    stride: int | None = None  # sliding windows' step (None: window // 2)
+    windowing: Literal["sliding", "blocks"] = "sliding"
+    batch_size: int = 16  # prompts per forward pass
+    device: str = "auto"
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    tag: str = "hllm"  # the run file's last column
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.teacher is None):
+            raise ValueError("give exactly one of a student model or a teacher job folder")
+
+
+class ShardRanker:
+    """Loads the ranker once; `__call__(slates) -> (orders, stats)` ranks one shard."""
+
+    def __init__(self, spec: RerankSpec):
+        import torch
+
+        from hllm.reranker import Reranker
+
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.spec = spec
+        if spec.model is not None:
+            self.reranker = Reranker.load(spec.model, device=spec.device, batch_size=spec.batch_size)
+            self.window = spec.window or self.reranker.positions
+            self.reranker.window, self.reranker.stride = self.window, spec.stride or self.window // 2
+            self.reranker.windowing = spec.windowing
+        else:
+            self.teacher = load_job_teacher(spec)
+            self.window = self.teacher.cfg.window
+
+    def __call__(self, slates: Sequence[RerankRequest]) -> tuple[list[list[int]], dict[str, int]]:
+        from hllm.prompts import document_text
+
+        if self.spec.model is not None:
+            docs = [[document_text(c) for c in s.candidates] for s in slates]
+            ranked = self.reranker.windowed_orders([s.query.text for s in slates], docs)
+            return ranked.orders, {"queries": len(slates), "windows": sum(ranked.windows), "failed": 0}
+        rankings = self.teacher.rank(list(slates))
+        orders = [r.permutation if r.permutation is not None else list(range(len(s.candidates)))
+                  for s, r in zip(slates, rankings)]
+        windows = sum(max(1, len(r.windows)) for r in rankings)
+        return orders, {"queries": len(slates), "windows": windows,
+                        "failed": sum(r.permutation is None for r in rankings)}
+
+
+def load_job_teacher(spec: RerankSpec):
+    """The AR teacher of a job's output folder, generating with the spec's window settings."""
+    from hllm.config import from_dict
+    from hllm.job import JobConfig
+    from hllm.models import resolve_device
+    from hllm.stages import load_teacher, teacher_model
+
+    folder = Path(spec.teacher)
+    saved = folder / "config.json"
+    if not saved.is_file():
+        raise FileNotFoundError(f"no job at {spec.teacher!r}: expected the job's output folder with config.json")
+    data = json.loads(saved.read_text())
+    fields = {f.name for f in dataclasses.fields(JobConfig)}
+    cfg = from_dict(JobConfig, {**{k: v for k, v in data.items() if k in fields}, "output_dir": str(folder)})
+    window = spec.window or 20
+    generation = dataclasses.replace(cfg.teacher.generation, window=window, stride=spec.stride or window // 2,
+                                     windowing=spec.windowing, batch_size=spec.batch_size, repair=True)
+    cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, generation=generation))
+    return load_teacher(teacher_model(cfg), cfg, resolve_device(spec.device))
+
+
+MapShards = Callable[[RerankSpec, ShardedRun, list[list[RerankRequest]], Callable[[int], None]], None]
+"""Ranks and writes the given shards elsewhere (e.g. a Ray actor pool); calls back with queries done."""
+
+
+def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: str | Path, shard_size: int = 64,
+                      settings: dict[str, Any] | None = None, map_shards: MapShards | None = None,
+                      progress: bool = True) -> tuple[Path, dict[str, int]]:
+    """-> (the run file, totals over all shards: queries, windows, failed, resumed shards)."""
+    from tqdm.auto import tqdm
+
+    run = ShardedRun(out, slates, shard_size, {**dataclasses.asdict(spec), **(settings or {})})
+    todo = run.todo()
+    resumed = len(run.shards) - len(todo)
+    with tqdm(total=len(slates), initial=len(slates) - sum(len(s) for s in todo), unit="query",
+              disable=not progress, desc="rerank") as bar:
+        if map_shards is not None:
+            map_shards(spec, run, todo, bar.update)
+        elif todo:
+            ranker = ShardRanker(spec)
+            for shard in todo:
+                orders, stats = ranker(shard)
+                run.write(shard, orders, spec.tag, stats)
+                bar.update(len(shard))
+    totals = run.stats()
+    run.finish()
+    return run.out, {**totals, "shards": len(run.shards), "resumed_shards": resumed}

@@ -1,0 +1,156 @@
+"""TREC run files: written in query shards that a re-run resumes, evaluated with trec_eval's code.
+
+A run is six columns, `qid Q0 docid rank score tag`, scores strictly decreasing along each query's
+ranking (N - rank + 1: rank-derived, so trec_eval's tie-break by document id never reorders it).
+`ShardedRun` plans query shards; each finished shard is a file named by a hash of its query ids,
+written atomically (temp file + rename), so shards can be ranked anywhere (a process, a Ray actor)
+and a re-run skips the ones on disk. `finish` joins them into the run file atomically; nothing is
+half-written at any moment, and a shard folder started with other settings is refused, not mixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ir_measures
+
+from hllm.readers import DataFormatError, read_qrels, read_run
+from hllm.records import RerankRequest
+
+
+def atomic_write(path: str | Path, text: str) -> None:
+    """`text` appears at `path` whole or not at all (temp file in the same folder + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_lines(slates: Sequence[RerankRequest], orders: Sequence[Sequence[int]], tag: str) -> list[str]:
+    """Each slate's order (0-based candidate indices, best first) -> TREC run lines."""
+    if len(slates) != len(orders):
+        raise ValueError(f"{len(slates)} slates but {len(orders)} orders")
+    lines = []
+    for slate, order in zip(slates, orders):
+        if sorted(order) != list(range(len(slate.candidates))):
+            raise ValueError(f"query {slate.slate_id!r}: the order is not a permutation of its "
+                             f"{len(slate.candidates)} candidates")
+        n = len(order)
+        lines += [f"{slate.slate_id} Q0 {slate.candidates[i].docid} {r + 1} {n - r} {tag}" for r, i in enumerate(order)]
+    return lines
+
+
+def _shard_name(slates: Sequence[RerankRequest]) -> str:
+    return "shard-" + hashlib.sha256("\n".join(s.slate_id for s in slates).encode()).hexdigest()[:16] + ".trec"
+
+
+class ShardWriter:
+    """Writes finished shards into a run's shard folder; small, so it travels to Ray actors."""
+
+    def __init__(self, directory: Path, settings: dict[str, Any]):
+        self.directory, self.settings = directory, settings
+        self.manifest = directory / "manifest.json"
+
+    def path(self, shard: Sequence[RerankRequest]) -> Path:
+        return self.directory / _shard_name(shard)
+
+    def write(self, shard: Sequence[RerankRequest], orders: Sequence[Sequence[int]], tag: str,
+              stats: dict[str, int] | None = None) -> None:
+        """One shard's run lines, and its counts beside them (the lines land last: they mark it done)."""
+        path = self.path(shard)
+        if not self.manifest.exists():  # written with the first shard: a run that fails to start leaves nothing
+            atomic_write(self.manifest, json.dumps(self.settings, indent=2, sort_keys=True))
+        atomic_write(path.with_suffix(".json"), json.dumps(stats or {}))
+        atomic_write(path, "\n".join(run_lines(shard, orders, tag)) + "\n")
+
+
+class ShardedRun:
+    """The run file `out`, built from query shards under `out.shards/` (see the module docstring).
+
+    `settings` (model, data, windows, ...) are recorded with the shards: a re-run with other
+    settings is an error rather than a run that mixes two rankers."""
+
+    def __init__(self, out: str | Path, slates: Sequence[RerankRequest], shard_size: int, settings: dict[str, Any]):
+        if shard_size < 1:
+            raise ValueError(f"shard size must be >= 1, got {shard_size}")
+        ids = [s.slate_id for s in slates]
+        if len(set(ids)) != len(ids):
+            dup = sorted({q for q in ids if ids.count(q) > 1})[:5]
+            raise DataFormatError(f"query ids repeat in the input: {dup}")
+        self.out = Path(out)
+        self.shards = [list(slates[i: i + shard_size]) for i in range(0, len(slates), shard_size)]
+        self.writer = ShardWriter(self.out.with_name(self.out.name + ".shards"),
+                                  {**settings, "queries": len(slates), "shard_size": shard_size})
+        self.directory = self.writer.directory
+        if self.writer.manifest.exists():
+            before, now = json.loads(self.writer.manifest.read_text()), self.writer.settings
+            if before != now:
+                changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+                raise ValueError(f"{self.directory} holds shards of a run with other settings ({', '.join(changed)}); "
+                                 f"re-run with the same settings to resume, or delete the folder to start over")
+
+    def todo(self) -> list[list[RerankRequest]]:
+        """The shards not on disk yet, in plan order."""
+        return [s for s in self.shards if not self.writer.path(s).exists()]
+
+    def write(self, shard: Sequence[RerankRequest], orders: Sequence[Sequence[int]], tag: str,
+              stats: dict[str, int] | None = None) -> None:
+        self.writer.write(shard, orders, tag, stats)
+
+    def stats(self) -> dict[str, int]:
+        """Counts summed over the shards on disk."""
+        totals: dict[str, int] = {}
+        for shard in self.shards:
+            path = self.writer.path(shard)
+            if path.exists() and path.with_suffix(".json").exists():
+                for k, v in json.loads(path.with_suffix(".json").read_text()).items():
+                    totals[k] = totals.get(k, 0) + int(v)
+        return totals
+
+    def finish(self) -> Path:
+        """All shards -> the run file (atomically); the shard folder is removed."""
+        missing = self.todo()
+        if missing:
+            raise RuntimeError(f"{len(missing)} of {len(self.shards)} shards are not written yet")
+        atomic_write(self.out, "".join(self.writer.path(s).read_text(encoding="utf-8") for s in self.shards))
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return self.out
+
+
+RUN_MEASURES = {"nDCG@10": "nDCG@10", "MRR@10": "RR(rel={rel})@10", "R@100": "R(rel={rel})@100"}
+
+
+def evaluate_run(run_path: str | Path, qrels_path: str | Path, rel: int = 2,
+                 measures: dict[str, str] | None = None) -> dict[str, Any]:
+    """A TREC run + qrels -> {"queries": judged queries evaluated, "unjudged": run queries without
+    qrels, metric: mean}. Means over the run's judged queries, like trec_eval without -c; a run
+    that shares no query with the qrels is an error (the ids do not match)."""
+    run = read_run(run_path)
+    qrels = read_qrels(qrels_path)
+    judged = sorted(q for q in run if q in qrels)
+    if not judged:
+        raise DataFormatError(f"no query of {run_path} ({len(run)} queries, e.g. {sorted(run)[:3]}) is in "
+                              f"{qrels_path} ({len(qrels)} queries, e.g. {sorted(qrels)[:3]}): the ids do not match")
+    parsed = {name: ir_measures.parse_measure(m.format(rel=rel)) for name, m in (measures or RUN_MEASURES).items()}
+    # scores from the file's rank column (N - rank): the file's own order, whatever its scores say
+    scored = [ir_measures.ScoredDoc(q, d, float(len(run[q]) - r)) for q in judged for r, (d, _) in enumerate(run[q])]
+    agg = ir_measures.calc_aggregate(list(parsed.values()), _qrels(qrels, judged), scored)
+    return {"queries": len(judged), "unjudged": len(run) - len(judged), "rel": rel,
+            **{name: float(agg[p]) for name, p in parsed.items()}}
+
+
+def _qrels(qrels: dict[str, dict[str, int]], qids: Iterable[str]) -> list[ir_measures.Qrel]:
+    return [ir_measures.Qrel(q, d, g) for q in qids for d, g in qrels[q].items()]

@@ -1,0 +1,231 @@
+"""`hllm`: rerank any collection into a TREC run, evaluate runs, show the config, run the job.
+
+    hllm rerank --model runs/default/student --data ../shared/data/trec-dl19-passage-bm25top100 --out dl19.trec
+    hllm rerank --teacher runs/default --data DIR --out teacher.trec       # the AR teacher, for comparison
+    hllm evaluate --run dl19.trec --qrels DIR/qrels/test.tsv
+    hllm config show [--config configs/dl19-smollm2.yaml] [key=value ...]
+    hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
+
+Bad input (a missing model, a malformed file, ids that do not match, a query with no candidates)
+is one line on stderr naming the file and the exit status 2; nothing is half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+USAGE_ERROR = 2
+READ_FORMATS = ("auto", "beir", "rank_llm", "tsv", "hllm")
+
+
+def _load_slates(args: argparse.Namespace):
+    """-> (slates, qrels path or None, data settings recorded with the run)."""
+    from hllm.readers import DataFormatError, read_beir, read_qrels, read_slates
+
+    data = Path(args.data)
+    if not data.exists():
+        raise FileNotFoundError(f"no input at {args.data!r}")
+    fmt = args.format
+    if fmt == "auto":
+        fmt = "beir" if data.is_dir() else {".jsonl": "rank_llm", ".tsv": "tsv"}.get(data.suffix)
+        if fmt is None:
+            raise DataFormatError(f"cannot tell the format of {args.data!r} from its name: pass --format "
+                                  f"({', '.join(READ_FORMATS[1:])})")
+    if fmt == "beir":
+        slates = read_beir(data, args.run, top_n=args.top_n, split=args.split)
+        qrels = Path(args.qrels) if args.qrels else data / "qrels" / f"{args.split}.tsv"
+        missing = sorted(set(read_qrels(qrels)) - {s.slate_id for s in slates})
+        if missing and not args.skip_missing:
+            raise DataFormatError(f"{len(missing)} judged queries of {qrels} have no candidates in the run "
+                                  f"{args.run or data / 'runs' / 'bm25_top100.tsv'} (e.g. {missing[:3]}); "
+                                  f"--skip-missing reranks the others")
+    else:
+        kwargs = {"queries": args.queries} if fmt == "tsv" else {}
+        slates = read_slates(fmt, data, top_n=args.top_n, **kwargs)
+        qrels = Path(args.qrels) if args.qrels else None
+    return slates, qrels, {"data": str(data.resolve()), "format": fmt, "run": args.run, "top_n": args.top_n,
+                           "split": args.split}
+
+
+def _first_stage_run(slates, path: Path) -> None:
+    from hllm.runfile import atomic_write, run_lines
+
+    atomic_write(path, "\n".join(run_lines(slates, [list(range(len(s.candidates))) for s in slates], "first_stage")) + "\n")
+
+
+def _table(rows: dict[str, dict]) -> str:
+    names = [k for k in next(iter(rows.values())) if k not in ("queries", "unjudged", "rel")]
+    lines = ["| run | queries | " + " | ".join(names) + " |", "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    for label, m in rows.items():
+        lines.append(f"| {label} | {m['queries']} | " + " | ".join(f"{m[n]:.4f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def cmd_rerank(args: argparse.Namespace) -> int:
+    from hllm.collection import RerankSpec, rerank_collection
+    from hllm.runfile import atomic_write, evaluate_run
+
+    spec = RerankSpec(model=args.model, teacher=args.teacher, window=args.window, stride=args.stride,
+                      windowing=args.windowing, batch_size=args.batch_size, device=args.device,
+                      threads=args.threads, tag=args.tag)
+    slates, qrels, settings = _load_slates(args)
+    out = Path(args.out)
+    map_shards = None
+    if args.ray:
+        from pipelines.rerank import ray_map_shards
+
+        map_shards = ray_map_shards(args.actors, args.cpus_per_actor, args.address)
+    path, stats = rerank_collection(spec, slates, out, args.shard_size, settings, map_shards, progress=not args.quiet)
+    print(f"wrote {path}: {stats['queries']} queries, {sum(len(s.candidates) for s in slates)} documents, "
+          f"{stats['windows']} windows ({stats['windows'] / max(stats['queries'], 1):.1f} per query), "
+          f"{stats['resumed_shards']} of {stats['shards']} shards resumed"
+          + (f"; {stats['failed']} teacher answers without a permutation kept the first-stage order" if stats["failed"] else ""))
+    if qrels is None:
+        return 0
+    first = out.with_name(out.name + ".first_stage")
+    _first_stage_run(slates, first)
+    try:
+        rows = {"first stage (input order)": evaluate_run(first, qrels, args.rel),
+                ("teacher" if args.teacher else "reranked"): evaluate_run(path, qrels, args.rel)}
+    finally:
+        first.unlink(missing_ok=True)
+    _report(rows, args.json, atomic_write)
+    return 0
+
+
+def _report(rows: dict[str, dict], json_path: str | None, atomic_write) -> None:
+    any_row = next(iter(rows.values()))
+    print(_table(rows))
+    print(f"(means over {any_row['queries']} judged queries; MRR@10 and R@100 count grade >= {any_row['rel']} as relevant"
+          + (f"; {any_row['unjudged']} run queries have no judgments" if any_row["unjudged"] else "") + ")")
+    if json_path:
+        atomic_write(json_path, json.dumps(rows, indent=2) + "\n")
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from hllm.runfile import atomic_write, evaluate_run
+
+    rows = {run: evaluate_run(run, args.qrels, args.rel) for run in args.run}
+    _report(rows, args.json, atomic_write)
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from hllm.config import describe, load_config
+    from pipelines.common import PipelineConfig
+
+    cfg = load_config(PipelineConfig, args.config, args.overrides)
+    for key, value, default, doc in describe(PipelineConfig, cfg):
+        shown = json.dumps(value)
+        changed = "" if value == default else f"  (default {json.dumps(default)})"
+        print(f"{key} = {shown}{changed}" + (f"\n    {doc}" if doc else ""))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipelines import full
+
+    full.main(([f"--config={args.config}"] if args.config else []) + list(args.overrides))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hllm", description="hLLM: single-pass generative reranking.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Examples:\n" + __doc__.split("\n\n")[1])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    r = sub.add_parser("rerank", help="rerank a collection into a TREC run (and evaluate it where there are qrels)",
+                       formatter_class=fmt, description="Rerank every query's first-stage candidates with a trained "
+                       "student (one prefill per window) or a job's AR teacher; write a TREC run; print nDCG@10, "
+                       "MRR@10, R@100 beside the first-stage order when the data has qrels.")
+    who = r.add_mutually_exclusive_group(required=True)
+    who.add_argument("--model", help="student: a folder (runs/default/student), runs:/RUN_ID/student or models:/NAME@ALIAS")
+    who.add_argument("--teacher", help="a job's output folder (runs/default): rerank with its AR teacher instead")
+    r.add_argument("--data", required=True, help="a BEIR folder (corpus.jsonl, queries.jsonl, qrels/, runs/), a rank_llm "
+                   "request JSONL, a TSV of (qid, docid, text) or (qid, query, docid, text), or an hllm JSONL")
+    r.add_argument("--format", choices=READ_FORMATS, default="auto", help="auto: folder -> beir, .jsonl -> rank_llm, .tsv -> tsv")
+    r.add_argument("--run", help="beir: the first-stage run file (default DATA/runs/bm25_top100.tsv)")
+    r.add_argument("--queries", help="tsv with 3 columns: the query texts (qid<TAB>text TSV or BEIR queries.jsonl)")
+    r.add_argument("--split", default="test", help="beir: the qrels split (DATA/qrels/SPLIT.tsv)")
+    r.add_argument("--qrels", help="qrels to evaluate against (default for beir: DATA/qrels/SPLIT.tsv)")
+    r.add_argument("--skip-missing", action="store_true", help="beir: rerank the queries that have candidates even "
+                   "when some judged queries have none (default: an error)")
+    r.add_argument("--top-n", type=int, default=100, help="first-stage candidates reranked per query")
+    r.add_argument("--out", required=True, help="the TREC run file to write (shards beside it until done)")
+    r.add_argument("--tag", default="hllm", help="the run tag (6th column)")
+    r.add_argument("--window", type=int, help="documents per window (default: the student head's K positions; teacher: 20)")
+    r.add_argument("--stride", type=int, help="sliding: how far each window moves up (default: window // 2)")
+    r.add_argument("--windowing", choices=("sliding", "blocks"), default="sliding",
+                   help="sliding: RankGPT windows back to front; blocks: rank blocks, then their best together")
+    r.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
+    r.add_argument("--shard-size", type=int, default=64, help="queries per shard (the unit a re-run resumes from)")
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    r.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    r.add_argument("--rel", type=int, default=2, help="MRR and recall count grade >= REL as relevant (TREC DL: 2)")
+    r.add_argument("--json", help="also write the metrics as JSON here")
+    r.add_argument("--ray", action="store_true", help="fan the shards out over a Ray Data actor pool")
+    r.add_argument("--actors", type=int, default=2, help="--ray: actors (each loads the model once)")
+    r.add_argument("--cpus-per-actor", type=float, default=1.0, help="--ray: CPUs reserved per actor (GPUs: one each where present)")
+    r.add_argument("--address", help="--ray: the cluster (default: RAY_ADDRESS, else a local Ray)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_rerank)
+
+    e = sub.add_parser("evaluate", help="nDCG@10, MRR@10, R@100 of TREC runs against qrels", formatter_class=fmt,
+                       description="Evaluate TREC run files with trec_eval's code (ir_measures / pytrec_eval): means "
+                       "over the run's judged queries, like trec_eval without -c.")
+    e.add_argument("--run", required=True, action="append", help="a TREC run file (repeat to compare runs)")
+    e.add_argument("--qrels", required=True, help="qrels: TREC (qid 0 docid grade) or BEIR TSV (query-id corpus-id score)")
+    e.add_argument("--rel", type=int, default=2, help="MRR and recall count grade >= REL as relevant (TREC DL: 2)")
+    e.add_argument("--json", help="also write the metrics as JSON here")
+    e.set_defaults(func=cmd_evaluate)
+
+    c = sub.add_parser("config", help="the job's configuration keys")
+    csub = c.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = csub.add_parser("show", help="every key with its value, default and doc", formatter_class=fmt,
+                           description="Every key of the job config (pipelines/full.py) with its value, its default "
+                           "where they differ, and its doc. Set keys in a YAML file (--config) or as key=value.")
+    show.add_argument("--config", help="a YAML config (e.g. configs/dl19-smollm2.yaml); default: the built-in defaults")
+    show.add_argument("overrides", nargs="*", help="key=value overrides, as the job takes them")
+    show.set_defaults(func=cmd_config_show)
+
+    j = sub.add_parser("run", help="run the whole job (pipelines/full.py) on a local or the current Ray cluster")
+    j.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    j.add_argument("overrides", nargs="*", help="key=value overrides")
+    j.set_defaults(func=cmd_run)
+    return parser
+
+
+def quiet_libraries() -> None:
+    """Our progress bar and table only: no weight-loading bars or deprecation notes from libraries."""
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from hllm.config import ConfigError
+    from hllm.readers import DataFormatError
+
+    args = build_parser().parse_args(argv)
+    quiet_libraries()
+    try:
+        return args.func(args)
+    except (FileNotFoundError, DataFormatError, ConfigError, ValueError) as err:
+        print(f"hllm {args.command}: error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""`hllm` on the command line: rerank -> TREC run -> evaluate, long lists in windows, resume,
+config show, and every bad input with its message, its exit status and nothing half-written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hllm.heads import HeadConfig
+from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from pipelines.cli import main
+
+from conftest import TINY
+
+WORDS = ["acme", "zenith", "kairo", "red", "blue", "green", "leather", "cotton", "wool", "boots", "shirt", "backpack"]
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory) -> Path:
+    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(lora_r=2, lora_alpha=4),
+                                                 head=HeadConfig(positions=4, width=32, num_heads=2)))
+    path = tmp_path_factory.mktemp("student")
+    ranker.save(path)
+    return path
+
+
+def _beir(root: Path, queries: int = 3, docs: int = 10, judged_extra: str | None = None) -> Path:
+    """A tiny BEIR folder: `queries` queries with `docs` candidates each in the run."""
+    (root / "qrels").mkdir(parents=True)
+    (root / "runs").mkdir()
+    with open(root / "corpus.jsonl", "w") as fh:
+        for d in range(queries * docs):
+            text = " ".join(WORDS[(d * k) % len(WORDS)] for k in (1, 3, 5))
+            fh.write(json.dumps({"_id": f"d{d}", "title": "", "text": text}) + "\n")
+    qids = [f"q{q}" for q in range(queries)] + ([judged_extra] if judged_extra else [])
+    with open(root / "queries.jsonl", "w") as fh:
+        for q, qid in enumerate(qids):
+            fh.write(json.dumps({"_id": qid, "text": f"{WORDS[q]} {WORDS[q + 3]} boots"}) + "\n")
+    qrels = ["query-id\tcorpus-id\tscore"] + [f"q{q}\td{q * docs + d}\t{(d * 7 + q) % 4}" for q in range(queries)
+                                             for d in range(docs)]
+    if judged_extra:
+        qrels.append(f"{judged_extra}\td0\t3")
+    (root / "qrels" / "test.tsv").write_text("\n".join(qrels) + "\n")
+    run = ["query-id\tcorpus-id\trank\tscore"] + [f"q{q}\td{q * docs + d}\t{d + 1}\t{100 - d}" for q in range(queries)
+                                                 for d in range(docs)]
+    (root / "runs" / "bm25_top100.tsv").write_text("\n".join(run) + "\n")
+    return root
+
+
+def _read_run(path: Path) -> dict[str, list[str]]:
+    run: dict[str, list[tuple[int, str, float]]] = {}
+    for line in path.read_text().splitlines():
+        qid, q0, docid, rank, score, tag = line.split()
+        assert q0 == "Q0" and tag
+        run.setdefault(qid, []).append((int(rank), docid, float(score)))
+    for hits in run.values():
+        assert [r for r, _, _ in hits] == list(range(1, len(hits) + 1))
+        scores = [s for _, _, s in hits]
+        assert scores == sorted(scores, reverse=True) and len(set(scores)) == len(scores)
+    return {q: [d for _, d, _ in hits] for q, hits in run.items()}
+
+
+def test_rerank_writes_a_run_that_evaluate_reads_back(student, tmp_path, capsys):
+    data = _beir(tmp_path / "beir")
+    out, metrics = tmp_path / "out" / "run.trec", tmp_path / "m.json"
+    assert main(["rerank", "--model", str(student), "--data", str(data), "--out", str(out), "--window", "4",
+                 "--json", str(metrics), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 queries, 30 documents" in printed and "| first stage (input order) | 3 |" in printed
+    run = _read_run(out)
+    assert sorted(run) == ["q0", "q1", "q2"]
+    for q, docids in run.items():
+        i = int(q[1:])
+        assert sorted(docids) == sorted(f"d{i * 10 + d}" for d in range(10))  # every candidate once
+    assert not (tmp_path / "out" / "run.trec.shards").exists() and sorted(p.name for p in out.parent.iterdir()) == ["run.trec"]
+    reported = json.loads(metrics.read_text())
+    assert set(reported) == {"first stage (input order)", "reranked"}
+    again = tmp_path / "again.json"
+    assert main(["evaluate", "--run", str(out), "--qrels", str(data / "qrels" / "test.tsv"), "--json", str(again)]) == 0
+    assert json.loads(again.read_text())[str(out)] == reported["reranked"]
+    assert set(reported["reranked"]) >= {"nDCG@10", "MRR@10", "R@100", "queries"} and reported["reranked"]["queries"] == 3
+
+
+def test_a_crashed_rerank_resumes_from_its_shards(student, tmp_path, monkeypatch):
+    from hllm import collection
+
+    data = _beir(tmp_path / "beir", queries=4)
+    args = ["rerank", "--model", str(student), "--data", str(data), "--window", "4", "--shard-size", "1", "--quiet"]
+    assert main(args + ["--out", str(tmp_path / "clean.trec")]) == 0
+    calls = {"n": 0}
+    real = collection.ShardRanker.__call__
+
+    def crash_on_third(self, slates):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("killed")
+        return real(self, slates)
+
+    monkeypatch.setattr(collection.ShardRanker, "__call__", crash_on_third)
+    out = tmp_path / "run.trec"
+    with pytest.raises(RuntimeError, match="killed"):
+        main(args + ["--out", str(out)])
+    assert not out.exists() and len(list((tmp_path / "run.trec.shards").glob("*.trec"))) == 2
+    monkeypatch.setattr(collection.ShardRanker, "__call__", real)
+    assert main(args[:-1] + ["--out", str(out)]) == 0  # the progress bar on: resumed at 2 of 4
+    assert out.read_text() == (tmp_path / "clean.trec").read_text()
+
+
+def test_a_shard_folder_from_other_settings_is_refused(student, tmp_path, capsys, monkeypatch):
+    from hllm import collection
+
+    data = _beir(tmp_path / "beir")
+    out = tmp_path / "run.trec"
+    args = ["rerank", "--model", str(student), "--data", str(data), "--out", str(out), "--shard-size", "1", "--quiet"]
+    monkeypatch.setattr(collection.ShardRanker, "__call__", lambda self, s: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(RuntimeError):
+        main(args + ["--window", "4"])
+    monkeypatch.undo()
+    # the failed first shard wrote nothing, so no manifest pins the settings yet: any settings start over
+    assert not (tmp_path / "run.trec.shards").exists()
+    assert main(args + ["--window", "4", "--top-n", "6"]) == 0
+    (tmp_path / "run.trec.shards").mkdir()
+    (tmp_path / "run.trec.shards" / "manifest.json").write_text(json.dumps({"window": 5}))
+    assert main(args + ["--window", "4"]) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_a_thousand_candidates_come_back_as_one_permutation(student):
+    from hllm import Reranker
+
+    docs = [" ".join(WORDS[(d * k) % len(WORDS)] for k in (1, 2, 7)) + f" {d}" for d in range(1000)]
+    # sliding: (1000 - 10) / 5 + 1 windows; blocks: 100 blocks -> their 100 winners in 10 blocks -> 10 winners in 1
+    for windowing, expected in (("sliding", 199), ("blocks", 100 + 10 + 1)):
+        reranker = Reranker.load(student, window=10, stride=5, windowing=windowing)
+        prefills = []
+        real = reranker.score_encoded
+        reranker.score_encoded = lambda prompts: prefills.append(len(prompts)) or real(prompts)
+        (ranked,) = reranker.rank_batch(["red boots"], [docs])
+        assert sorted(r.index for r in ranked) == list(range(1000))
+        scores = [r.score for r in ranked]
+        assert scores == sorted(scores, reverse=True) and len(set(scores)) == 1000
+        again = Reranker.load(student, window=10, stride=5, windowing=windowing).windowed_orders(["red boots"], [docs])
+        assert again.orders[0] == [r.index for r in ranked]
+        assert sum(prefills) == again.windows[0] == expected  # one prefill per window, batched
+
+
+def test_windowings_with_a_perfect_ranker_put_the_best_first():
+    from hllm.windows import rank_in_windows
+
+    values = [(i * 37) % 101 for i in range(100)]  # a permutation of 0..100 minus one value, shuffled
+
+    def oracle(flat):
+        return [sorted(range(len(idx)), key=lambda p: -values[idx[p]]) for _, idx in flat]
+
+    best = sorted(range(100), key=lambda i: -values[i])
+    for strategy, windows in (("sliding", 9), ("blocks", 6)):
+        (order,), (count,) = rank_in_windows([100], oracle, window=20, stride=10, strategy=strategy)
+        assert sorted(order) == list(range(100)) and count == windows
+        assert order[:10 if strategy == "sliding" else 4] == best[:10 if strategy == "sliding" else 4]
+    (order,), (count,) = rank_in_windows([15], oracle, window=20, stride=10, strategy="blocks")
+    assert order == sorted(range(15), key=lambda i: -values[i]) and count == 1  # short lists: one window
+
+
+def test_tsv_and_rank_llm_inputs(student, tmp_path):
+    tsv = tmp_path / "in.tsv"
+    tsv.write_text("".join(f"q{q}\tred boots\td{d}\t{WORDS[d]} boots\n" for q in range(2) for d in range(6)))
+    assert main(["rerank", "--model", str(student), "--data", str(tsv), "--out", str(tmp_path / "a.trec"), "--quiet"]) == 0
+    assert {q: len(d) for q, d in _read_run(tmp_path / "a.trec").items()} == {"q0": 6, "q1": 6}
+    three, queries = tmp_path / "three.tsv", tmp_path / "queries.tsv"
+    three.write_text("".join(f"q{q}\td{d}\t{WORDS[d]} boots\n" for q in range(2) for d in range(6)))
+    queries.write_text("q0\tred boots\nq1\tblue shirt\n")
+    assert main(["rerank", "--model", str(student), "--data", str(three), "--queries", str(queries),
+                 "--out", str(tmp_path / "b.trec"), "--quiet", "--top-n", "4"]) == 0
+    assert {q: len(d) for q, d in _read_run(tmp_path / "b.trec").items()} == {"q0": 4, "q1": 4}
+    jsonl = tmp_path / "req.jsonl"
+    jsonl.write_text(json.dumps({"query": {"qid": "7", "text": "red boots"},
+                                 "candidates": [{"docid": f"d{d}", "score": 1.0 - d / 10, "doc": {"contents": WORDS[d]}}
+                                                for d in range(5)]}) + "\n")
+    assert main(["rerank", "--model", str(student), "--data", str(jsonl), "--out", str(tmp_path / "c.trec"), "--quiet"]) == 0
+    assert len(_read_run(tmp_path / "c.trec")["7"]) == 5
+
+
+@pytest.mark.parametrize("case", ["no_model", "corrupt_run", "no_candidates_jsonl", "judged_query_without_candidates",
+                                  "tsv_columns", "unknown_format"])
+def test_bad_input_is_one_message_and_exit_2_and_nothing_written(student, tmp_path, capsys, case):
+    data, model, extra = _beir(tmp_path / "beir"), str(student), []
+    if case == "no_model":
+        model, needle = str(tmp_path / "nowhere"), "no trained student at"
+    elif case == "corrupt_run":
+        with open(data / "runs" / "bm25_top100.tsv", "a") as fh:
+            fh.write("q0\td1\tfirst\t1.0\n")
+        needle = "bm25_top100.tsv:32: rank/score not numeric"
+    elif case == "no_candidates_jsonl":
+        data = tmp_path / "req.jsonl"
+        data.write_text(json.dumps({"query": {"qid": "1", "text": "q"}, "candidates": [{"docid": "a", "doc": "x"}]})
+                        + "\n" + json.dumps({"query": {"qid": "2", "text": "q"}, "candidates": []}) + "\n")
+        needle = "req.jsonl:2: query '2' has no candidates"
+    elif case == "judged_query_without_candidates":
+        data = _beir(tmp_path / "beir2", judged_extra="q99")
+        needle = "1 judged queries of"
+    elif case == "tsv_columns":
+        data = tmp_path / "bad.tsv"
+        data.write_text("q0\tred\td0\tboots\nq0\td1\tboots\n")
+        needle = "bad.tsv:2: expected 4"
+    else:
+        data = tmp_path / "x.csv"
+        data.write_text("q,d\n")
+        needle = "pass --format"
+    out = tmp_path / "out" / "run.trec"
+    assert main(["rerank", "--model", model, "--data", str(data), "--out", str(out), "--quiet", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hllm rerank: error: ") and needle in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_evaluate_refuses_ids_that_do_not_match_and_corrupt_runs(tmp_path, capsys):
+    run, qrels = tmp_path / "r.trec", tmp_path / "q.tsv"
+    run.write_text("a Q0 d1 1 2 t\na Q0 d2 2 1 t\n")
+    qrels.write_text("b 0 d1 2\n")
+    assert main(["evaluate", "--run", str(run), "--qrels", str(qrels)]) == 2
+    assert "the ids do not match" in capsys.readouterr().err
+    run.write_text("a Q0 d1 one 2 t\n")
+    assert main(["evaluate", "--run", str(run), "--qrels", str(qrels)]) == 2
+    assert "r.trec:1: rank/score not numeric" in capsys.readouterr().err
+
+
+def test_config_show_documents_every_key(capsys):
+    from hllm.config import describe
+    from pipelines.common import PipelineConfig
+
+    assert all(doc for _, _, _, doc in describe(PipelineConfig)), "a config key without a doc comment"
+    assert main(["config", "show"]) == 0
+    shown = capsys.readouterr().out
+    assert "data.top_n = 20\n    file sources: first-stage candidates per slate (N)" in shown
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "dl19-smollm2.yaml")
+    assert main(["config", "show", "--config", config, "student.train.steps=7"]) == 0
+    shown = capsys.readouterr().out
+    assert 'teacher.model.preset = "smollm2-135m"  (default "tiny")' in shown and "student.train.steps = 7  (default 300)" in shown
+    assert main(["config", "show", "student.nope=1"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_the_console_script_and_every_help():
+    script = Path(sys.executable).with_name("hllm")
+    assert script.exists(), "pip install -e . installs the hllm console script"
+    for argv in ([], ["rerank"], ["evaluate"], ["config", "show"], ["run"]):
+        out = subprocess.run([str(script), *argv, "--help"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith("usage: hllm"), out.stderr
+    out = subprocess.run([str(script), "rerank"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "required" in out.stderr
+
+
+def test_rerank_with_the_ar_teacher_of_a_job(tmp_path, capsys):
+    from hllm.config import to_dict
+    from hllm.job import JobConfig, TeacherStageConfig
+
+    job = tmp_path / "job"
+    job.mkdir()
+    cfg = JobConfig(output_dir=str(job), teacher=TeacherStageConfig(model=TINY, bootstrap=False))
+    (job / "config.json").write_text(json.dumps({**to_dict(cfg), "cluster": {}}))
+    data = _beir(tmp_path / "beir", queries=2, docs=7)
+    out = tmp_path / "t.trec"
+    assert main(["rerank", "--teacher", str(job), "--data", str(data), "--out", str(out), "--window", "4",
+                 "--stride", "2", "--quiet"]) == 0
+    assert "| teacher | 2 |" in capsys.readouterr().out
+    assert {q: len(d) for q, d in _read_run(out).items()} == {"q0": 7, "q1": 7}
+
+
+@pytest.mark.slow
+def test_ray_actor_pool_writes_the_same_run(student, tmp_path, ray_local):
+    data = _beir(tmp_path / "beir", queries=5)
+    args = ["rerank", "--model", str(student), "--data", str(data), "--window", "4", "--shard-size", "2", "--quiet"]
+    assert main(args + ["--out", str(tmp_path / "local.trec")]) == 0
+    assert main(args + ["--out", str(tmp_path / "ray.trec"), "--ray", "--actors", "2"]) == 0
+    assert (tmp_path / "ray.trec").read_text() == (tmp_path / "local.trec").read_text()
