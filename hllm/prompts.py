@@ -129,8 +129,10 @@ class PromptBuilder:
             raise ValueError(f"slate {request.slate_id!r} has no candidates")
         return self.encode_texts(request.query.text, [document_text(c) for c in request.candidates], with_answer)
 
-    def encode_texts(self, query: str, documents: Sequence[str], with_answer: bool = True) -> EncodedPrompt:
-        """A query and its documents (in first-stage order) -> the prompt's tokens and item positions."""
+    def encode_texts(self, query: str, documents: Sequence[str], with_answer: bool = True,
+                     max_doc_tokens: int | None = None) -> EncodedPrompt:
+        """A query and its documents (in first-stage order) -> the prompt's tokens and item positions.
+        `max_doc_tokens` cuts documents shorter than the config does (a request's own cap)."""
         n = len(documents)
         if n == 0:
             raise ValueError("no documents to rank")
@@ -142,6 +144,8 @@ class PromptBuilder:
         head = self._before + _ids(self.tokenizer, template.prefix.format(num=n, query=query))
         tail = _ids(self.tokenizer, template.suffix.format(num=n, query=query)) + self._after
         budget = self.doc_budget(n, len(head) + len(tail), with_answer)
+        if max_doc_tokens is not None:
+            budget = min(budget, max_doc_tokens)
         docs = self.tokenizer([" " + d for d in documents], add_special_tokens=False)["input_ids"]
         ids, positions, cut = list(head), [], 0
         for i, doc in enumerate(docs, start=1):

@@ -100,9 +100,10 @@ class Reranker:
         return self.model.cfg.head.k
 
     # ---- the path, piece by piece ------------------------------------------------------------
-    def encode(self, query: str, documents: Sequence[str]) -> EncodedPrompt:
-        """-> the prompt; raises `PromptTooLong` when the documents cannot fit the context."""
-        return self.model.prompts.encode_texts(query, documents, with_answer=False)
+    def encode(self, query: str, documents: Sequence[str], max_doc_tokens: int | None = None) -> EncodedPrompt:
+        """-> the prompt; raises `PromptTooLong` when the documents cannot fit the context.
+        `max_doc_tokens` caps each document below the model's own budget (cuts are counted)."""
+        return self.model.prompts.encode_texts(query, documents, with_answer=False, max_doc_tokens=max_doc_tokens)
 
     def encode_slate(self, slate: RerankRequest) -> EncodedPrompt:
         return self.model.prompts.encode(slate, with_answer=False)
@@ -167,17 +168,18 @@ class Reranker:
         return [out[i][:top_k] if top_k is not None else out[i] for i in range(len(queries))]
 
     def windowed_orders(self, queries: Sequence[str], documents: Sequence[Sequence[str]], batch_size: int | None = None,
-                        decoder: str | None = None) -> "Windowed":
+                        decoder: str | None = None, max_doc_tokens: int | None = None) -> "Windowed":
         """Each query's order of all its documents, ranked window by window (see the module docstring)."""
         if self.window is None:
             raise ValueError("windowed ranking needs a window (Reranker(window=...))")
         size = batch_size or self.batch_size
-        tokens = [0] * len(queries)
+        tokens, truncated = [0] * len(queries), [0] * len(queries)
 
         def rank_windows(flat: list[tuple[int, list[int]]]) -> list[list[int]]:
-            prompts = [self.encode(queries[i], [documents[i][j] for j in idx]) for i, idx in flat]
+            prompts = [self.encode(queries[i], [documents[i][j] for j in idx], max_doc_tokens) for i, idx in flat]
             for (i, _), prompt in zip(flat, prompts):
                 tokens[i] += len(prompt.input_ids)
+                truncated[i] += prompt.doc_tokens_truncated
             matrices = []
             for start in range(0, len(prompts), size):
                 matrices += self.score_encoded(prompts[start: start + size])
@@ -185,7 +187,7 @@ class Reranker:
 
         stride = self.stride or self.window // 2
         orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
-        return Windowed(orders, windows, tokens)
+        return Windowed(orders, windows, tokens, truncated)
 
 
 @dataclass(frozen=True)
@@ -193,3 +195,4 @@ class Windowed:
     orders: list[list[int]]  # per query: document indices, best first
     windows: list[int]  # per query: windows ranked = prefills
     prompt_tokens: list[int]  # per query: tokens over all its windows
+    truncated_documents: list[int]  # per query: documents cut to the token budget, over all its windows

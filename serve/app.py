@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve import Application
 
-from serve.schemas import (Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult,
+from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult,
                            ResultDocument, Usage)
 
 api = FastAPI(title="hLLM rerank", version="1", description="Single-pass generative reranking")
@@ -51,6 +51,31 @@ class AppArgs(BaseModel):
     windowing: Literal["sliding", "blocks"] = "sliding"
 
 
+def _example(description: str, detail) -> dict:
+    return {"description": description, "content": {"application/json": {"example": {"detail": detail}}}}
+
+
+# every status the rerank routes answer besides 200, documented in the OpenAPI with an example body
+ERRORS = {
+    400: {"model": ErrorBody, **_example("The body is not JSON the server could read.", "There was an error parsing the body")},
+    401: {"model": ErrorBody, **_example("HLLM_API_TOKEN is set and the bearer token is missing or wrong.",
+                                         "missing or wrong bearer token")},
+    413: {"model": ErrorBody, **_example("Too many documents, a prompt longer than the context, or a body over the limit.",
+                                         "120 documents exceed this model's limit of 100")},
+    422: _example("The body does not match the schema (a missing field, a wrong type, top_n < 1, ...).",
+                  [{"type": "missing", "loc": ["body", "query"], "msg": "Field required", "input": {}}]),
+}
+
+
+def _document_limits(app: FastAPI) -> None:
+    """The served OpenAPI says this deployment's document limit (`maxItems`), so a schema-valid
+    request is one the replica accepts; more documents are still answered 413 with a message."""
+    limit = getattr(app.state, "max_documents", None)
+    documents = app.openapi()["components"]["schemas"]["RerankBody"]["properties"]["documents"]
+    if limit and documents.get("maxItems") != limit:
+        documents["maxItems"] = limit
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"detail": message})
 
@@ -62,6 +87,8 @@ async def limits_and_auth(request: Request, call_next):
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             return _error(401, "missing or wrong bearer token")
+    if request.url.path.endswith("/openapi.json"):
+        _document_limits(request.app)
     limit = getattr(request.app.state, "max_body_bytes", None)
     length = request.headers.get("content-length")
     if limit and length and length.isdigit() and int(length) > limit:
@@ -88,6 +115,7 @@ class RerankDeployment:
                                       decoder=self.args.decoder, window=self.args.window, stride=self.args.stride,
                                       windowing=self.args.windowing)
         api.state.max_body_bytes = self.args.max_body_bytes
+        api.state.max_documents = self.args.max_documents
 
     def reconfigure(self, user_config: dict) -> None:
         """`user_config: {max_batch_size, batch_wait_timeout_s}` tunes batching without a restart."""
@@ -114,7 +142,7 @@ class RerankDeployment:
         if self.args.window is not None and len(texts) > self.args.window:
             return await self._rerank_windows(body, texts, decoder, t0)
         try:
-            prompt = self.reranker.encode(body.query, texts)
+            prompt = self.reranker.encode(body.query, texts, body.max_tokens_per_doc)
         except PromptTooLong as err:
             return _error(413, str(err))
         t_tok = time.perf_counter()
@@ -142,7 +170,8 @@ class RerankDeployment:
         from hllm import PromptTooLong
 
         try:
-            ranked = await asyncio.to_thread(self.reranker.windowed_orders, [body.query], [texts], None, decoder)
+            ranked = await asyncio.to_thread(self.reranker.windowed_orders, [body.query], [texts], None, decoder,
+                                             body.max_tokens_per_doc)
         except PromptTooLong as err:
             return _error(413, str(err))
         order, tokens = ranked.orders[0], ranked.prompt_tokens[0]
@@ -150,19 +179,20 @@ class RerankDeployment:
                                 document=ResultDocument(text=texts[i]) if body.return_documents else None)
                    for r, i in enumerate(order[: body.top_n or len(texts)])]
         return RerankResponse(
-            id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens),
+            id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens,
+                                                                       truncated_documents=ranked.truncated_documents[0]),
             results=results, meta=Meta(decoder=decoder, batch_size=1, windows=ranked.windows[0],
                                        timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
 
-    @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True)
+    @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ERRORS)
     async def rerank_v1(self, body: RerankBody):
         return await self._rerank(body)
 
-    @api.post("/v2/rerank", response_model=RerankResponse, response_model_exclude_none=True)
+    @api.post("/v2/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ERRORS)
     async def rerank_v2(self, body: RerankBody):
         return await self._rerank(body)
 
-    @api.post("/rerank", response_model=RerankResponse, response_model_exclude_none=True)
+    @api.post("/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ERRORS)
     async def rerank(self, body: RerankBody):
         return await self._rerank(body)
 

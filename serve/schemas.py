@@ -2,32 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
+
+
+def _json_integer(value):
+    """JSON Schema's integer: 3 and 3.0, never "3", true or 3.5 (pydantic's lax int takes the first two wrong)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("Input should be a valid integer")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError("Input should be a valid integer, got a number with a fractional part")
+    return int(value)
+
+
+PositiveJsonInt = Annotated[int, Field(ge=1), BeforeValidator(_json_integer)]
 
 
 class DocumentObject(BaseModel):
     model_config = ConfigDict(extra="allow")
-    text: str
+    text: StrictStr
 
 
 class RerankBody(BaseModel):
-    model: str | None = None
-    query: str = Field(min_length=1)
-    documents: list[str | DocumentObject] = Field(min_length=1)
-    top_n: int | None = Field(default=None, ge=1)
-    return_documents: bool = False
-    decoder: Literal["hungarian", "sort", "expected_position", "greedy", "argmax_repair"] | None = None  # extension
+    """Cohere v2 / vLLM rerank request. Types are strict: `"return_documents": 0` or `"top_n": "3"` is a 422."""
 
-    @model_validator(mode="after")
-    def _top_n_within_documents(self) -> "RerankBody":
-        if self.top_n is not None and self.top_n > len(self.documents):
-            raise ValueError(f"top_n={self.top_n} exceeds the {len(self.documents)} documents given")
-        return self
+    model: StrictStr | None = None
+    query: StrictStr = Field(min_length=1)
+    documents: list[StrictStr | DocumentObject] = Field(min_length=1)
+    # the best top_n results; above the number of documents, all of them (as Cohere and vLLM); < 1 is a 422
+    top_n: PositiveJsonInt | None = None
+    return_documents: StrictBool = False
+    # Cohere's per-document token cap: documents are cut to min(this, the model's budget), cuts counted in usage
+    max_tokens_per_doc: PositiveJsonInt | None = None
+    decoder: Literal["hungarian", "sort", "expected_position", "greedy", "argmax_repair"] | None = None  # extension
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class ErrorBody(BaseModel):
+    detail: str
 
 
 class Usage(BaseModel):
