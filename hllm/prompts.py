@@ -69,6 +69,8 @@ class EncodedPrompt:
     item_positions: list[int]  # (N,) index of the last token of each candidate
     doc_tokens_truncated: int = 0  # candidates cut to the budget
     query_truncated: bool = False
+    content_tokens: int = 0  # tokens of the query and the documents as shown
+    unknown_tokens: int = 0  # of those, the tokenizer's unknown token (words outside its vocabulary)
 
 
 class PromptTooLong(ValueError):
@@ -148,12 +150,16 @@ class PromptBuilder:
             budget = min(budget, max_doc_tokens)
         docs = self.tokenizer([" " + d for d in documents], add_special_tokens=False)["input_ids"]
         ids, positions, cut = list(head), [], 0
+        shown = _ids(self.tokenizer, query)
         for i, doc in enumerate(docs, start=1):
             cut += len(doc) > budget
             ids += self.id_tokens(i) + doc[:budget]
+            shown += doc[:budget]
             positions.append(len(ids) - 1)
             ids += self._newline
-        return EncodedPrompt(ids + tail, positions, cut, query_truncated)
+        unk = self.tokenizer.unk_token_id
+        unknown = sum(t == unk for t in shown) if unk is not None else 0
+        return EncodedPrompt(ids + tail, positions, cut, query_truncated, len(shown), unknown)
 
 
 def document_text(candidate: Candidate) -> str:

@@ -32,6 +32,23 @@ from hllm.models import ModelConfig, load_backbone, save_backbone
 from hllm.prompts import PromptBuilder, PromptConfig
 
 CONFIG_FILE = "hllm_ranker.json"
+CARD_FILE = "model_card.json"  # what the model knows (written by the job; optional)
+
+
+def write_model_card(directory: str | Path, card: dict) -> None:
+    (Path(directory) / CARD_FILE).write_text(json.dumps(card, indent=2))
+
+
+def read_model_card(directory: str | Path) -> dict:
+    """The saved card, or what the model's own config tells (base model, K, prompt) for one without."""
+    path = Path(directory) / CARD_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    cfg = json.loads((Path(directory) / CONFIG_FILE).read_text())
+    return {"base_model": cfg["model"]["preset"], "positions": cfg["head"]["positions"],
+            "prompt": {"template": cfg["prompt"]["template"], "max_doc_tokens": cfg["prompt"]["max_doc_tokens"],
+                       "context_length": cfg["model"]["context_length"]},
+            "training_data": "unknown (saved without a model card)"}
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 from hllm.decoding import DECODERS, Decoded
 from hllm.models import resolve_device
 from hllm.prompts import EncodedPrompt, PromptTooLong, collate
-from hllm.ranker import SinglePassRanker
+from hllm.ranker import SinglePassRanker, read_model_card
 from hllm.records import RerankRequest
 from hllm.windows import WINDOWINGS, rank_in_windows
 
@@ -81,14 +81,18 @@ class Reranker:
             raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
         self.model, self.decoder, self.batch_size = model.eval(), decoder, batch_size
         self.window, self.stride, self.windowing = window, stride, windowing
+        self.card: dict = {}  # what the model knows (`Reranker.load` reads the saved model card)
 
     @classmethod
     def load(cls, path_or_uri: str | Path, *, device: str = "auto", dtype: str | None = None, merge_lora: bool = True,
              decoder: str = "hungarian", batch_size: int = 32, window: int | None = None, stride: int | None = None,
              windowing: str = "sliding") -> "Reranker":
         """`merge_lora` folds LoRA into the base weights: the same scores, no adapter matmuls."""
-        model = SinglePassRanker.load(resolve_model_uri(path_or_uri), dtype=dtype, merge_lora=merge_lora)
-        return cls(model.to(resolve_device(device)), decoder, batch_size, window, stride, windowing)
+        path = resolve_model_uri(path_or_uri)
+        model = SinglePassRanker.load(path, dtype=dtype, merge_lora=merge_lora)
+        reranker = cls(model.to(resolve_device(device)), decoder, batch_size, window, stride, windowing)
+        reranker.card = read_model_card(path)
+        return reranker
 
     @property
     def device(self) -> torch.device:
@@ -173,13 +177,15 @@ class Reranker:
         if self.window is None:
             raise ValueError("windowed ranking needs a window (Reranker(window=...))")
         size = batch_size or self.batch_size
-        tokens, truncated = [0] * len(queries), [0] * len(queries)
+        tokens, truncated, shown, unknown = ([0] * len(queries) for _ in range(4))
 
         def rank_windows(flat: list[tuple[int, list[int]]]) -> list[list[int]]:
             prompts = [self.encode(queries[i], [documents[i][j] for j in idx], max_doc_tokens) for i, idx in flat]
             for (i, _), prompt in zip(flat, prompts):
                 tokens[i] += len(prompt.input_ids)
                 truncated[i] += prompt.doc_tokens_truncated
+                shown[i] += prompt.content_tokens
+                unknown[i] += prompt.unknown_tokens
             matrices = []
             for start in range(0, len(prompts), size):
                 matrices += self.score_encoded(prompts[start: start + size])
@@ -187,7 +193,7 @@ class Reranker:
 
         stride = self.stride or self.window // 2
         orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
-        return Windowed(orders, windows, tokens, truncated)
+        return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)])
 
 
 @dataclass(frozen=True)
@@ -196,3 +202,4 @@ class Windowed:
     windows: list[int]  # per query: windows ranked = prefills
     prompt_tokens: list[int]  # per query: tokens over all its windows
     truncated_documents: list[int]  # per query: documents cut to the token budget, over all its windows
+    unknown_token_share: list[float]  # per query: share of its shown tokens outside the vocabulary

@@ -27,7 +27,7 @@ from hllm.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.metrics import input_order_agreement
 from hllm.models import ModelConfig, load_backbone, save_backbone
 from hllm.prompts import PromptBuilder
-from hllm.ranker import RankerConfig, SinglePassRanker
+from hllm.ranker import RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import ParseCounts, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
 from hllm.teacher import ARTeacher
@@ -245,8 +245,31 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
         return out
     check_teacher(train, cfg.student, cfg.teacher.bootstrap)
     summary = fit(rcfg, train, val, out)
+    write_model_card(out, model_card(cfg, rcfg, train, summary))
     mark_done(out, key, **summary)
     return out
+
+
+def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dict[str, Any]) -> dict[str, Any]:
+    """What a served student knows: its base model, what it was trained on and how, its limits."""
+    m, t = rcfg.model, cfg.teacher
+    teacher = f"{t.model.preset}{' ' + t.model.path if t.model.path else ''}" + \
+        (" bootstrapped on the train queries' qrels" if t.bootstrap else "")
+    data = cfg.data
+    return {
+        "base_model": (f"{t.model.preset} (the teacher's weights)" if cfg.student.init_from_teacher
+                       else f"{m.preset}{' ' + m.path if m.path else ''}"),
+        "teacher": teacher,
+        "training_data": {"source": data.source, "path": data.path, "top_n": data.top_n,
+                          "train_slates": len(train.items), "queries": len({s.slate_id for s in train.slates})},
+        "vocabulary": "synthetic word-level (the embedded catalogue's words only)" if t.model.preset == "tiny" else "the base model's",
+        "positions": rcfg.head.positions,
+        "prompt": {"template": rcfg.prompt.template, "max_doc_tokens": rcfg.prompt.max_doc_tokens,
+                   "context_length": m.context_length},
+        "adapt": rcfg.adapt.mode, "head": rcfg.head.kind, "loss": cfg.student.loss.terms,
+        "steps": summary.get("steps"), "val_loss": summary.get("val_loss"),
+        "relevance_score": "rank-derived (the decoder's order), not a calibrated probability",
+    }
 
 
 # ---- evaluation ----------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class AppArgs(BaseModel):
     window: int | None = None
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
+    # meta.warnings says so when more of a request's tokens than this are unknown to the model's vocabulary
+    unknown_token_warning: float = 0.1
 
 
 def _example(description: str, detail) -> dict:
@@ -155,15 +157,22 @@ class RerankDeployment:
                                 document=ResultDocument(text=texts[i]) if body.return_documents else None)
                    for r, i in enumerate(top)]
         n_tokens = len(prompt.input_ids)
+        timings = {"tokenize": 1000 * (t_tok - t0), "queue_and_forward": 1000 * (t_fwd - t_tok), "forward_batch": forward_ms,
+                   "decode": 1000 * (t_dec - t_fwd), "total": 1000 * (time.perf_counter() - t0)}
         return RerankResponse(
             id=str(uuid.uuid4()), model=body.model or self.args.model_name,
             usage=Usage(prompt_tokens=n_tokens, total_tokens=n_tokens, truncated_documents=prompt.doc_tokens_truncated,
                         query_truncated=prompt.query_truncated),
             results=results,
-            meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms={
-                "tokenize": 1000 * (t_tok - t0), "queue_and_forward": 1000 * (t_fwd - t_tok),
-                "forward_batch": forward_ms, "decode": 1000 * (t_dec - t_fwd), "total": 1000 * (time.perf_counter() - t0)}),
+            meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms=timings,
+                      **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1))),
         )
+
+    def _vocabulary(self, share: float) -> dict:
+        warnings = [] if share <= self.args.unknown_token_warning else [
+            f"{share:.0%} of the query's and documents' tokens are unknown to this model's vocabulary "
+            f"({self.reranker.card.get('vocabulary', 'see /v1/models')}): its ranking of them means little"]
+        return {"unknown_token_share": round(share, 4), "warnings": warnings}
 
     async def _rerank_windows(self, body: RerankBody, texts: list[str], decoder: str, t0: float):
         """A long list: one prefill per window, off the event loop (not batched with other requests)."""
@@ -182,6 +191,7 @@ class RerankDeployment:
             id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens,
                                                                        truncated_documents=ranked.truncated_documents[0]),
             results=results, meta=Meta(decoder=decoder, batch_size=1, windows=ranked.windows[0],
+                                       **self._vocabulary(ranked.unknown_token_share[0]),
                                        timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
 
     @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ERRORS)
@@ -202,8 +212,11 @@ class RerankDeployment:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.args.model_name, max_documents=self.args.max_documents,
-                                         positions=self.reranker.positions)])
+        card = self.reranker.card
+        return ModelList(data=[ModelCard(
+            id=self.args.model_name, max_documents=self.args.max_documents, positions=self.reranker.positions,
+            window=self.args.window, base_model=card.get("base_model"), training_data=card.get("training_data"),
+            vocabulary=card.get("vocabulary"), relevance_score=card.get("relevance_score"), card=card)])
 
 
 def app_builder(args: dict) -> Application:

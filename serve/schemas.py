@@ -68,6 +68,8 @@ class Meta(BaseModel):
     timings_ms: dict[str, float]
     batch_size: int  # requests that shared this forward pass
     windows: int = 1  # prefills this request took (more than one: a list longer than the window)
+    unknown_token_share: float = 0.0  # share of the query's and documents' tokens outside the vocabulary
+    warnings: list[str] = []
 
 
 class RerankResponse(BaseModel):
@@ -82,8 +84,14 @@ class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     owned_by: str = "hllm"
-    max_documents: int
-    positions: int
+    max_documents: int  # per request
+    positions: int  # K, the head's rank positions
+    window: int | None = None  # longer requests are ranked in windows of this many documents
+    base_model: str | None = None
+    training_data: dict | str | None = None  # source, path, top_n, train slates and queries
+    vocabulary: str | None = None
+    relevance_score: str | None = None  # what the score means (rank-derived or calibrated)
+    card: dict = {}  # the whole saved model card
 
 
 class ModelList(BaseModel):

@@ -157,6 +157,16 @@ def test_every_status_is_in_the_openapi_with_an_example(app):
             assert responses[status]["content"]["application/json"]["example"]["detail"], (path, status)
 
 
+def test_models_card_and_unknown_words_are_said(app, student_dir):
+    (card,) = requests.get(URL + "/v1/models", timeout=30).json()["data"]
+    assert card["positions"] == 8 and card["max_documents"] == 10 and card["base_model"] == "tiny"
+    assert "unknown" in card["training_data"]  # saved by a test, without the job's model card
+    known = post(query="red leather boots", documents=DOCS).json()["meta"]
+    assert known["unknown_token_share"] == 0.0 and known["warnings"] == []
+    foreign = post(query="quantum chromodynamics", documents=["gluon confinement lattice", "red boots"]).json()["meta"]
+    assert foreign["unknown_token_share"] > 0.5 and "unknown to this model's vocabulary" in foreign["warnings"][0]
+
+
 def test_body_limit_and_malformed_json(app):
     r = requests.post(URL + "/v1/rerank", data="x" * 30_000, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413 and "exceeds the limit" in r.text

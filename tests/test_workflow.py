@@ -34,6 +34,9 @@ def test_job_runs_and_resumes(tmp_path):
     assert len(stamps) == 5  # teacher, train / val / test rankings, student
     student = json.loads((tmp_path / "student" / "stage.json").read_text())
     assert student["steps"] == 3 and student["val_loss"] > 0  # the val split is held out while training
+    card = json.loads((tmp_path / "student" / "model_card.json").read_text())  # what Serve's /v1/models says
+    assert card["training_data"]["source"] == "synthetic" and card["training_data"]["train_slates"] > 0
+    assert card["positions"] == 6 and card["base_model"].startswith("tiny") and card["steps"] == 3
     run(cfg)  # same config: every stage is reused, none redone
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")} == stamps
     assert json.loads((tmp_path / "teacher" / "stage.json").read_text())["steps"] == 3
