@@ -4,6 +4,7 @@
     hllm rerank --teacher runs/default --data DIR --out teacher.trec       # the AR teacher, for comparison
     hllm evaluate --run dl19.trec --qrels DIR/qrels/test.tsv
     hllm config show [--config configs/dl19-smollm2.yaml] [key=value ...]
+    hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
 
 Bad input (a missing model, a malformed file, ids that do not match, a query with no candidates)
@@ -126,6 +127,18 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_promote(args: argparse.Namespace) -> int:
+    import mlflow
+
+    from pipelines.registry import promote
+
+    if args.tracking_uri:
+        mlflow.set_tracking_uri(args.tracking_uri)
+    promote(args.name, args.version, args.alias)
+    print(f"models:/{args.name}@{args.alias} -> version {args.version}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pipelines import full
 
@@ -193,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--config", help="a YAML config (e.g. configs/dl19-smollm2.yaml); default: the built-in defaults")
     show.add_argument("overrides", nargs="*", help="key=value overrides, as the job takes them")
     show.set_defaults(func=cmd_config_show)
+
+    p = sub.add_parser("promote", help="point a registry alias (e.g. champion) at a model version", formatter_class=fmt,
+                       description="Moves models:/NAME@ALIAS to VERSION in the MLflow Model Registry (the job "
+                       "registers each student as a new version under tracking.model_alias, 'candidate').")
+    p.add_argument("--name", default="hllm-student", help="registered model name")
+    p.add_argument("--version", required=True, help="the version to promote")
+    p.add_argument("--alias", default="champion", help="the alias to move")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI)")
+    p.set_defaults(func=cmd_promote)
 
     j = sub.add_parser("run", help="run the whole job (pipelines/full.py) on a local or the current Ray cluster")
     j.add_argument("--config", help="YAML config (default: configs/default.yaml)")

@@ -45,6 +45,8 @@ class TrackingConfig:
     tracking_uri: str | None = None  # None: sqlite:///<output_dir>/mlflow.db
     experiment: str = "hllm"  # MLflow experiment
     run_name: str | None = None  # MLflow run name (None: the stage's name)
+    registered_model: str | None = "hllm-student"  # Model Registry name the student is registered under (None: not)
+    model_alias: str | None = "candidate"  # alias moved to each new version (promote to champion: pipelines.registry.promote)
 
 
 @dataclass
@@ -121,6 +123,22 @@ def tracking_uri(cfg: PipelineConfig) -> str:
     return f"sqlite:///{path}"
 
 
+def set_experiment(cfg: PipelineConfig) -> None:
+    """The job's experiment; with the default sqlite store its artifacts live beside it in
+    `output_dir/mlartifacts` (MLflow's default, `./mlruns`, is the Ray job's temporary working copy:
+    `runs:/` and `models:/` URIs would not outlive the job)."""
+    import mlflow
+
+    if cfg.tracking.tracking_uri is None and mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
+        location = (Path(cfg.output_dir).resolve() / "mlartifacts").as_uri()
+        try:
+            mlflow.create_experiment(cfg.tracking.experiment, artifact_location=location)
+        except mlflow.exceptions.MlflowException:  # created meanwhile by another process: theirs stands
+            if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
+                raise
+    mlflow.set_experiment(cfg.tracking.experiment)
+
+
 @contextmanager
 def mlflow_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None, **tags: str):
     """An MLflow run for a stage (nested under `parent_run_id` when given), params = the config."""
@@ -128,7 +146,7 @@ def mlflow_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri(cfg))
-    mlflow.set_experiment(cfg.tracking.experiment)
+    set_experiment(cfg)
     all_tags = {"hllm.stage": stage, "git_commit": git_commit(), **tags}
     active = mlflow.active_run()
     if parent_run_id and not (active and active.info.run_id == parent_run_id):
@@ -158,4 +176,6 @@ def download_mlflow_model(uri: str) -> str:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
 
-    return mlflow.artifacts.download_artifacts(artifact_uri=uri)
+    from pipelines.registry import student_folder
+
+    return str(student_folder(mlflow.artifacts.download_artifacts(artifact_uri=uri)))

@@ -214,6 +214,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
     from hllm.models import resolve_device
     from hllm.stages import evaluate_stage, load_teacher, train_student_stage
     from pipelines import teacher_gen
+    from pipelines.registry import log_student
 
     device = resolve_device(cfg.device)
     teacher_model, rankings = teacher_gen.run(cfg, parent_run_id)
@@ -226,7 +227,8 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
         log_metrics(dataclasses.asdict(report), prefix="eval.")
         (Path(cfg.output_dir) / "report.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
         mlflow.log_artifact(str(Path(cfg.output_dir) / "report.json"))
-        mlflow.log_artifacts(str(student_dir), artifact_path="student")
+        registered = log_student(student_dir, cfg.tracking.registered_model, cfg.tracking.model_alias)
+        log.info("student logged as an MLflow pyfunc: %s (alias %s)", registered, cfg.tracking.model_alias)
     return report, run.info.run_id
 
 

@@ -245,7 +245,7 @@ def test_config_show_documents_every_key(capsys):
 def test_the_console_script_and_every_help():
     script = Path(sys.executable).with_name("hllm")
     assert script.exists(), "pip install -e . installs the hllm console script"
-    for argv in ([], ["rerank"], ["evaluate"], ["config", "show"], ["run"]):
+    for argv in ([], ["rerank"], ["evaluate"], ["config", "show"], ["promote"], ["run"]):
         out = subprocess.run([str(script), *argv, "--help"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.startswith("usage: hllm"), out.stderr
     out = subprocess.run([str(script), "rerank"], capture_output=True, text=True, timeout=60)
@@ -266,6 +266,26 @@ def test_rerank_with_the_ar_teacher_of_a_job(tmp_path, capsys):
                  "--stride", "2", "--quiet"]) == 0
     assert "| teacher | 2 |" in capsys.readouterr().out
     assert {q: len(d) for q, d in _read_run(out).items()} == {"q0": 7, "q1": 7}
+
+
+def test_rerank_and_promote_through_the_model_registry(student, tmp_path, monkeypatch, capsys):
+    import mlflow
+
+    from pipelines.registry import log_student
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(experiment_id=mlflow.create_experiment("t", (tmp_path / "artifacts").as_uri()))
+    with mlflow.start_run():
+        log_student(student, "cli-student", alias="candidate")
+    assert main(["promote", "--name", "cli-student", "--version", "1", "--alias", "champion", "--tracking-uri", uri]) == 0
+    assert "models:/cli-student@champion -> version 1" in capsys.readouterr().out
+    data = _beir(tmp_path / "beir")
+    args = ["rerank", "--data", str(data), "--window", "4", "--quiet"]
+    assert main(args + ["--model", str(student), "--out", str(tmp_path / "folder.trec")]) == 0
+    assert main(args + ["--model", "models:/cli-student@champion", "--out", str(tmp_path / "registry.trec")]) == 0
+    assert (tmp_path / "registry.trec").read_text() == (tmp_path / "folder.trec").read_text()
 
 
 @pytest.mark.slow

@@ -49,8 +49,17 @@ def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
     history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == [1, 2, 3, 4]  # only rank 0 logs
     assert run.data.tags["git_commit"] and "rankings/train-" in run.data.tags["teacher_rankings"]
-    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "student")}
-    assert {"student/head.safetensors", "student/hllm_ranker.json", "student/adapter"} <= artifacts
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "student/artifacts/student")}
+    assert {f"student/artifacts/student/{f}" for f in ("head.safetensors", "hllm_ranker.json", "adapter")} <= artifacts
+    # registered as a pyfunc with a signature, version 1 under the configured alias
+    assert (tmp_path / "mlartifacts").is_dir()  # the artifacts outlive the Ray job's working copy
+    version = mlflow.MlflowClient().get_model_version_by_alias("hllm-student", "candidate")
+    assert str(version.version) == "1" and version.run_id == run_id
+    pyfunc = mlflow.pyfunc.load_model("models:/hllm-student@candidate")
+    assert pyfunc.metadata.get_input_schema().input_names() == ["query", "documents"]
+    import pandas as pd
+    out = pyfunc.predict(pd.DataFrame({"query": ["boots"], "documents": [["red boots", "blue shirt", "boots"]]}))
+    assert sorted(out["ranking"][0]) == [0, 1, 2]
     # the logged student config is the one that trained: the teacher's weights as its backbone
     logged = mlflow.artifacts.load_dict(f"runs:/{run_id}/student_config.json")
     assert logged["model"] == dataclasses.asdict(cfg.teacher.model) and logged["prompt"] == dataclasses.asdict(cfg.prompt)

@@ -225,6 +225,31 @@ def test_long_lists_are_ranked_in_windows(app, student_dir):
         serve.delete("windowed")
 
 
+def test_registry_round_trip_register_promote_serve(app, student_dir, tmp_path):
+    import mlflow
+    from ray import serve
+
+    from pipelines.registry import log_student, promote
+    from serve.app import AppArgs, RerankDeployment
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(experiment_id=mlflow.create_experiment("t", (tmp_path / "artifacts").as_uri()))
+    with mlflow.start_run():
+        assert log_student(student_dir, "served-student", alias="candidate") == "models:/served-student/1"
+    promote("served-student", 1, "champion")  # promotion: one call
+    served = RerankDeployment.options(name="Registry", ray_actor_options={"num_cpus": 0.5})
+    serve.run(served.bind(AppArgs(model="models:/served-student@champion", tracking_uri=uri).model_dump()),
+              name="registry", route_prefix="/registry")
+    try:
+        out = requests.post(URL + "/registry/v1/rerank", json={"query": "red boots", "documents": DOCS}, timeout=60)
+        assert out.status_code == 200, out.text
+        expected = [d.index for d in Reranker.load(student_dir).rank("red boots", DOCS)]
+        assert [r["index"] for r in out.json()["results"]] == expected
+    finally:
+        serve.delete("registry")
+
+
 def test_replica_killed_under_load_loses_at_most_one_percent_and_recovers(app, student_dir):
     from ray import serve
 
