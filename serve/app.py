@@ -98,6 +98,40 @@ async def limits_and_auth(request: Request, call_next):
     return await call_next(request)
 
 
+class RerankMetrics:
+    """Per-request figures as Ray metrics (Prometheus through Ray's metrics export, with Serve's
+    application / deployment / replica tags added): graph e.g.
+    `histogram_quantile(0.5, sum by (le) (rate(ray_hllm_request_latency_ms_bucket[5m])))`."""
+
+    def __init__(self):
+        from ray.serve import metrics
+
+        def hist(name, description, bounds):
+            return metrics.Histogram(name, description=description, boundaries=bounds)
+
+        self.latency = hist("hllm_request_latency_ms", "time in the replica per rerank request (ms)",
+                            [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000])
+        self.documents = hist("hllm_request_documents", "documents per rerank request (N)",
+                              [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000])
+        self.batch = hist("hllm_forward_batch_size", "requests that shared a forward pass", [1, 2, 4, 8, 16, 32])
+        self.tokens = hist("hllm_request_prompt_tokens", "prompt tokens per rerank request",
+                           [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+        self.windows = hist("hllm_request_windows", "prefills per rerank request (windows)", [1, 2, 5, 10, 20, 50, 100])
+        self.requests = metrics.Counter("hllm_requests", description="rerank requests answered, by status",
+                                        tag_keys=("status",))
+
+    def record(self, status: int, ms: float, documents: int, batch: int = 0, tokens: int = 0, windows: int = 1) -> None:
+        self.requests.inc(tags={"status": str(status)})
+        if status != 200:
+            return
+        self.latency.observe(ms)
+        self.documents.observe(documents)
+        self.tokens.observe(tokens)
+        self.windows.observe(windows)
+        if batch:
+            self.batch.observe(batch)
+
+
 @serve.deployment(name="Reranker", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16)
 @serve.ingress(api)
 class RerankDeployment:
@@ -118,6 +152,7 @@ class RerankDeployment:
                                       windowing=self.args.windowing)
         api.state.max_body_bytes = self.args.max_body_bytes
         api.state.max_documents = self.args.max_documents
+        self.metrics = RerankMetrics()
 
     def reconfigure(self, user_config: dict) -> None:
         """`user_config: {max_batch_size, batch_wait_timeout_s}` tunes batching without a restart."""
@@ -134,9 +169,19 @@ class RerankDeployment:
         return [(m, len(prompts), forward_ms) for m in matrices]
 
     async def _rerank(self, body: RerankBody):
+        t0 = time.perf_counter()
+        response = await self._answer(body, t0)
+        ms = 1000 * (time.perf_counter() - t0)
+        if isinstance(response, RerankResponse):
+            self.metrics.record(200, ms, len(body.documents), response.meta.batch_size, response.usage.prompt_tokens,
+                                response.meta.windows)
+        else:
+            self.metrics.record(response.status_code, ms, len(body.documents))
+        return response
+
+    async def _answer(self, body: RerankBody, t0: float):
         from hllm import PromptTooLong
 
-        t0 = time.perf_counter()
         texts = body.texts()
         if len(texts) > self.args.max_documents:
             return _error(413, f"{len(texts)} documents exceed this model's limit of {self.args.max_documents}")

@@ -250,6 +250,34 @@ def test_registry_round_trip_register_promote_serve(app, student_dir, tmp_path):
         serve.delete("registry")
 
 
+def test_request_figures_reach_prometheus_through_ray_metrics(app, ray_local):
+    import re
+    import time
+
+    for _ in range(3):
+        assert post(query="red boots", documents=DOCS).status_code == 200
+    assert post(query="red boots", documents=["a"] * 11).status_code == 413
+    port = ray_local.nodes()[0]["MetricsExportPort"]
+    wanted = {"latency": r'^ray_hllm_request_latency_ms_count\{[^}]*application="hllm"[^}]*\} ([0-9.]+)',
+              "documents": r'^ray_hllm_request_documents_bucket\{[^}]*application="hllm"[^}]*le="5.0"[^}]*\} ([0-9.]+)',
+              "batch": r'^ray_hllm_forward_batch_size_count\{[^}]*application="hllm"[^}]*\} ([0-9.]+)',
+              "tokens": r'^ray_hllm_request_prompt_tokens_sum\{[^}]*application="hllm"[^}]*\} ([0-9.]+)',
+              "too_large": r'^ray_hllm_requests(?:_total)?\{[^}]*status="413"[^}]*\} ([0-9.]+)'}
+    found: dict[str, float] = {}
+    deadline = time.time() + 90  # Ray exports metrics every few seconds
+    while time.time() < deadline and len(found) < len(wanted):
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        for key, pattern in wanted.items():
+            values = [float(v) for v in re.findall(pattern, text, flags=re.M)]
+            if values:
+                found[key] = sum(values)
+        time.sleep(2)
+    assert set(found) == set(wanted), f"missing from the Prometheus export: {set(wanted) - set(found)}"
+    # (Ray's histogram sums are bucket-midpoint estimates: counts and buckets are what to check)
+    assert found["latency"] >= 3 and found["documents"] >= 3 and found["too_large"] >= 1
+    assert found["tokens"] > 0 and found["batch"] >= 3
+
+
 def test_replica_killed_under_load_loses_at_most_one_percent_and_recovers(app, student_dir):
     from ray import serve
 
