@@ -36,6 +36,7 @@ CARD_FILE = "model_card.json"  # what the model knows (written by the job; optio
 
 
 def write_model_card(directory: str | Path, card: dict) -> None:
+    Path(directory).mkdir(parents=True, exist_ok=True)
     (Path(directory) / CARD_FILE).write_text(json.dumps(card, indent=2))
 
 

@@ -3,7 +3,7 @@
     from hllm import Reranker
     reranker = Reranker.load("runs/default/student")          # or "runs:/<run id>/student", "models:/name@alias"
     reranker.rank("red leather boots", ["acme red leather boots", "blue shirt"])
-    # -> [RankedDocument(index=0, score=1.0), RankedDocument(index=1, score=0.5)]
+    # -> [RankedDocument(index=0, score=1.0, relevance=...), RankedDocument(index=1, score=0.5, relevance=...)]
 
 One path for every caller (Serve, the CLI, the evaluation, the benchmarks, the ablations): encode
 the prompt -> one batched prefill + head -> an (n, min(K, n)) score matrix per query -> a decoder
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hllm.calibration import Calibrator
 from hllm.decoding import DECODERS, Decoded
 from hllm.models import resolve_device
 from hllm.prompts import EncodedPrompt, PromptTooLong, collate
@@ -46,6 +47,7 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 class RankedDocument:
     index: int  # position of the document in the input list
     score: float  # strictly decreasing along the ranking (the decoder's, or 1 - rank/N across windows): not a probability
+    relevance: float | None = None  # calibrated P(relevant), non-increasing along the ranking (models saved with a calibration)
 
 
 def resolve_model_uri(uri: str | Path) -> Path:
@@ -82,6 +84,7 @@ class Reranker:
         self.model, self.decoder, self.batch_size = model.eval(), decoder, batch_size
         self.window, self.stride, self.windowing = window, stride, windowing
         self.card: dict = {}  # what the model knows (`Reranker.load` reads the saved model card)
+        self.calibrator: Calibrator | None = None  # P(relevant) from the matrix (`Reranker.load` reads calibration.json)
 
     @classmethod
     def load(cls, path_or_uri: str | Path, *, device: str = "auto", dtype: str | None = None, merge_lora: bool = True,
@@ -92,6 +95,7 @@ class Reranker:
         model = SinglePassRanker.load(path, dtype=dtype, merge_lora=merge_lora)
         reranker = cls(model.to(resolve_device(device)), decoder, batch_size, window, stride, windowing)
         reranker.card = read_model_card(path)
+        reranker.calibrator = Calibrator.load(path)
         return reranker
 
     @property
@@ -136,6 +140,11 @@ class Reranker:
     def decode(self, matrix: np.ndarray, decoder: str | None = None) -> Decoded:
         return DECODERS[decoder or self.decoder](matrix)
 
+    def relevance(self, matrix: np.ndarray, permutation: Sequence[int]) -> np.ndarray | None:
+        """(N,) calibrated P(relevant) in input order, non-increasing along `permutation`; None
+        for a model saved without a calibration."""
+        return None if self.calibrator is None else self.calibrator.probabilities(matrix, permutation)
+
     # ---- whole requests ----------------------------------------------------------------------
     def score_slates(self, slates: Sequence[RerankRequest], batch_size: int | None = None) -> list[np.ndarray]:
         """Score matrices for many slates, `batch_size` per forward pass (evaluation)."""
@@ -164,7 +173,9 @@ class Reranker:
             chunk = short[start: start + size]
             for i, matrix in zip(chunk, self.score_encoded([self.encode(queries[i], documents[i]) for i in chunk])):
                 decoded = self.decode(matrix, decoder)
-                out[i] = [RankedDocument(int(j), float(decoded.item_scores[j])) for j in decoded.permutation]
+                rel = self.relevance(matrix, decoded.permutation)
+                out[i] = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
+                          for j in decoded.permutation]
         if long:
             orders = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder).orders
             for i, order in zip(long, orders):

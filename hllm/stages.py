@@ -22,12 +22,13 @@ import torch
 
 from hllm import store
 from hllm.cache import fingerprint, mark_done, stage_done, stage_info
+from hllm.calibration import Calibrator, calibration_report, fit_calibrator
 from hllm.evaluation import StudentEval, evaluate_student, evaluate_teacher, first_stage_order, latency_profile, quality
 from hllm.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.metrics import input_order_agreement
 from hllm.models import ModelConfig, load_backbone, save_backbone
 from hllm.prompts import PromptBuilder
-from hllm.ranker import RankerConfig, SinglePassRanker, write_model_card
+from hllm.ranker import CONFIG_FILE, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import ParseCounts, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
 from hllm.teacher import ARTeacher
@@ -242,12 +243,28 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
     key = fingerprint(rcfg, cfg.student.train, cfg.student.loss, train.key, fit_key)
     if stage_done(out, key):
         log.info("student: reusing %s", out)
-        return out
-    check_teacher(train, cfg.student, cfg.teacher.bootstrap)
-    summary = fit(rcfg, train, val, out)
-    write_model_card(out, model_card(cfg, rcfg, train, summary))
-    mark_done(out, key, **summary)
+    else:
+        check_teacher(train, cfg.student, cfg.teacher.bootstrap)
+        summary = fit(rcfg, train, val, out)
+        write_model_card(out, model_card(cfg, rcfg, train, summary))
+        mark_done(out, key, **summary)
+    if (out / CONFIG_FILE).is_file() and Calibrator.load(out) is None:
+        try:
+            calibrate_student(out, val.slates, cfg.eval.binary_rel)
+        except ValueError as err:  # e.g. a val split without relevant items: said, and scores stay rank-derived
+            log.warning("student: not calibrated (%s); relevance_score stays rank-derived", err)
     return out
+
+
+def calibrate_student(student_dir: Path, held_out: Sequence[RerankRequest], rel: int) -> Calibrator:
+    """Fits P(relevant) on held-out slates (the val split: never trained on) and saves it with the student."""
+    reranker = Reranker.load(student_dir, merge_lora=True)
+    matrices = reranker.score_slates(held_out)
+    perms = [reranker.decode(m).permutation for m in matrices]
+    calibrator = fit_calibrator(matrices, perms, [s.grades or [None] * len(s.candidates) for s in held_out], rel)
+    calibrator.save(student_dir)
+    log.info("student: calibrated on %s held-out slates (%s items, %s relevant)", *calibrator.fitted_on.values())
+    return calibrator
 
 
 def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +285,6 @@ def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dic
                    "context_length": m.context_length},
         "adapt": rcfg.adapt.mode, "head": rcfg.head.kind, "loss": cfg.student.loss.terms,
         "steps": summary.get("steps"), "val_loss": summary.get("val_loss"),
-        "relevance_score": "rank-derived (the decoder's order), not a calibrated probability",
     }
 
 
@@ -285,6 +301,7 @@ class EvalReport:
     teacher_free: dict[str, float] | None  # free decoding, measured apart when the rankings were constrained
     student: StudentEval
     latency: dict[str, dict[str, float]]
+    calibration: dict[str, Any] | None = None  # ECE and reliability bins of relevance_score on the test slates
 
 
 def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: Rankings, device: torch.device) -> EvalReport:
@@ -300,7 +317,16 @@ def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: 
         teacher_free=evaluate_teacher(slates, teacher.with_config(constrained=False).rank(slates), rel) if constrained else None,
         student=evaluate_student(reranker, slates, test.permutations, cfg.eval),
         latency=latency_profile(reranker, teacher, slates, cfg.eval),
+        calibration=calibration_on(reranker, slates),
     )
+
+
+def calibration_on(reranker: Reranker, slates: Sequence[RerankRequest]) -> dict[str, Any] | None:
+    if reranker.calibrator is None:
+        return None
+    matrices = reranker.score_slates(slates)
+    perms = [reranker.decode(m).permutation for m in matrices]
+    return calibration_report(reranker.calibrator, matrices, perms, [s.grades or [None] * len(s.candidates) for s in slates])
 
 
 def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:
@@ -318,4 +344,5 @@ def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:
         f"single/prefill {single / pre:.3f}",
         "decoders: " + ", ".join(f"{k} {v['nDCG@10']:.4f}" for k, v in report.student.decoders.items())
         + f" | rank-1 energy {report.student.matrix['rank1_energy_mean']:.3f}",
-    ]
+    ] + ([f"relevance_score calibration on {c['items']} test items ({c['positives']} relevant): ECE {c['ece']:.4f}"]
+         if (c := report.calibration) else ["relevance_score: not calibrated (rank-derived)"])

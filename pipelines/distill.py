@@ -227,6 +227,10 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
         log_metrics(dataclasses.asdict(report), prefix="eval.")
         (Path(cfg.output_dir) / "report.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
         mlflow.log_artifact(str(Path(cfg.output_dir) / "report.json"))
+        if report.calibration:  # the reliability diagram of relevance_score on the test split
+            from pipelines.reports import plot_reliability
+
+            mlflow.log_artifact(str(plot_reliability({"test": report.calibration}, Path(cfg.output_dir) / "calibration.png")))
         registered = log_student(student_dir, cfg.tracking.registered_model, cfg.tracking.model_alias)
         log.info("student logged as an MLflow pyfunc: %s (alias %s)", registered, cfg.tracking.model_alias)
     return report, run.info.run_id

@@ -125,3 +125,29 @@ def plot_reports(rows: list[Row], decoders: list[dict[str, Any]], latency_by_n: 
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def plot_reliability(reports: dict[str, dict[str, Any]], path: Path) -> Path:
+    """Reliability diagram(s): fraction relevant against mean predicted P(relevant) per bin, with the
+    diagonal, the ECE and what each curve averages in the legend. `reports`: label -> calibration_report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfect calibration")
+    for label, rep in reports.items():
+        bins = [b for b in rep["bins"] if b["count"]]
+        ax.plot([b["mean_predicted"] for b in bins], [b["fraction_relevant"] for b in bins], marker="o",
+                label=f"{label}: ECE {rep['ece']:.3f} ({rep['items']} items, {rep['slates']} queries)")
+    ax.set_xlabel("mean predicted relevance_score (bin)")
+    ax.set_ylabel(f"fraction relevant (grade >= {next(iter(reports.values()))['rel']})")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

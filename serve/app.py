@@ -197,8 +197,10 @@ class RerankDeployment:
         t_fwd = time.perf_counter()
         decoded = self.reranker.decode(matrix, decoder)
         t_dec = time.perf_counter()
+        relevance = None if body.raw_scores else self.reranker.relevance(matrix, decoded.permutation)
+        scores = decoded.item_scores if relevance is None else relevance
         top = decoded.permutation[: body.top_n or len(texts)]
-        results = [RerankResult(index=int(i), relevance_score=float(decoded.item_scores[i]), rank=r + 1,
+        results = [RerankResult(index=int(i), relevance_score=float(scores[i]), rank=r + 1,
                                 document=ResultDocument(text=texts[i]) if body.return_documents else None)
                    for r, i in enumerate(top)]
         n_tokens = len(prompt.input_ids)
@@ -209,7 +211,7 @@ class RerankDeployment:
             usage=Usage(prompt_tokens=n_tokens, total_tokens=n_tokens, truncated_documents=prompt.doc_tokens_truncated,
                         query_truncated=prompt.query_truncated),
             results=results,
-            meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms=timings,
+            meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms=timings, calibrated=relevance is not None,
                       **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1))),
         )
 
@@ -261,7 +263,11 @@ class RerankDeployment:
         return ModelList(data=[ModelCard(
             id=self.args.model_name, max_documents=self.args.max_documents, positions=self.reranker.positions,
             window=self.args.window, base_model=card.get("base_model"), training_data=card.get("training_data"),
-            vocabulary=card.get("vocabulary"), relevance_score=card.get("relevance_score"), card=card)])
+            vocabulary=card.get("vocabulary"), card=card,
+            relevance_score=("calibrated P(relevant) (grade >= {}), non-increasing along the results; raw_scores: true "
+                             "for the decoder's".format(self.reranker.calibrator.rel) if self.reranker.calibrator
+                             else "the decoder's rank-derived score, not a probability (this model has no calibration)"),
+            calibration=self.reranker.calibrator.fitted_on if self.reranker.calibrator else None)])
 
 
 def app_builder(args: dict) -> Application:

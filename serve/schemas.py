@@ -36,6 +36,8 @@ class RerankBody(BaseModel):
     # Cohere's per-document token cap: documents are cut to min(this, the model's budget), cuts counted in usage
     max_tokens_per_doc: PositiveJsonInt | None = None
     decoder: Literal["hungarian", "sort", "expected_position", "greedy", "argmax_repair"] | None = None  # extension
+    # TEI's name: relevance_score is the uncalibrated decoder score (strictly decreasing, not a probability)
+    raw_scores: StrictBool = False
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
@@ -58,6 +60,8 @@ class ResultDocument(BaseModel):
 
 class RerankResult(BaseModel):
     index: int
+    # calibrated P(relevant) in [0, 1], non-increasing along the results, for a calibrated model and
+    # raw_scores false; otherwise the decoder's score (strictly decreasing, rank-derived)
     relevance_score: float
     rank: int  # extension: 1-based position in the ranking
     document: ResultDocument | None = None
@@ -68,6 +72,7 @@ class Meta(BaseModel):
     timings_ms: dict[str, float]
     batch_size: int  # requests that shared this forward pass
     windows: int = 1  # prefills this request took (more than one: a list longer than the window)
+    calibrated: bool = False  # relevance_score is a calibrated probability
     unknown_token_share: float = 0.0  # share of the query's and documents' tokens outside the vocabulary
     warnings: list[str] = []
 
@@ -91,6 +96,7 @@ class ModelCard(BaseModel):
     training_data: dict | str | None = None  # source, path, top_n, train slates and queries
     vocabulary: str | None = None
     relevance_score: str | None = None  # what the score means (rank-derived or calibrated)
+    calibration: dict | None = None  # how relevance_score was calibrated: held-out slates, items, relevant
     card: dict = {}  # the whole saved model card
 
 

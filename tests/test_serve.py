@@ -13,6 +13,7 @@ from hypothesis.errors import Unsatisfiable
 from hllm import Reranker
 from hllm.heads import HeadConfig
 from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.stages import calibrate_student
 from hllm.training import LossConfig, TrainConfig, train_student
 
 from conftest import TINY, graded_examples
@@ -32,6 +33,7 @@ def student_dir(tmp_path_factory, small_splits):
                   TrainConfig(steps=3, batch_size=4, warmup_steps=1), LossConfig({"graded_ce": 1.0}))
     path = tmp_path_factory.mktemp("student")
     ranker.save(path)
+    calibrate_student(path, small_splits["val"] + small_splits["test"], rel=1)  # as the job does, on held-out slates
     return path
 
 
@@ -137,6 +139,19 @@ def test_bad_input_is_a_4xx_with_a_message(app, body, status, needle):
     r = requests.post(URL + "/v1/rerank", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert needle in r.text
+
+
+def test_relevance_score_is_calibrated_unless_raw_scores(app, student_dir):
+    out = post(query="red leather boots", documents=DOCS).json()
+    scores = [r["relevance_score"] for r in out["results"]]
+    assert out["meta"]["calibrated"] and all(0 <= p <= 1 for p in scores) and scores == sorted(scores, reverse=True)
+    library = Reranker.load(student_dir).rank("red leather boots", DOCS)
+    np.testing.assert_allclose(scores, [d.relevance for d in library], atol=1e-6)
+    raw = post(query="red leather boots", documents=DOCS, raw_scores=True).json()
+    assert not raw["meta"]["calibrated"] and [r["index"] for r in raw["results"]] == [r["index"] for r in out["results"]]
+    np.testing.assert_allclose([r["relevance_score"] for r in raw["results"]], [d.score for d in library], atol=1e-6)
+    (card,) = requests.get(URL + "/v1/models", timeout=30).json()["data"]
+    assert card["relevance_score"].startswith("calibrated P(relevant)") and card["calibration"]["items"] > 0
 
 
 def test_cohere_semantics_top_n_above_n_and_max_tokens_per_doc(app):

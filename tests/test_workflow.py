@@ -28,7 +28,9 @@ def test_job_runs_and_resumes(tmp_path):
     assert 0 <= report.teacher["nDCG@10"] <= 1 and 0 <= report.student.decoders["hungarian"]["nDCG@10"] <= 1
     assert report.student.decoders["hungarian"]["validity"] == 1.0 and report.test_slates == 6
     assert set(report.latency) == {"tokenize", "bare_prefill", "single_pass", "ar_teacher"}
-    assert len(summary_lines(report, "hungarian")) == 5
+    lines = summary_lines(report, "hungarian")
+    assert len(lines) == 6 and lines[-1].startswith("relevance_score calibration on 36 test items")
+    assert (tmp_path / "student" / "calibration.json").exists() and 0 <= report.calibration["ece"] <= 1
     assert (tmp_path / "report.json").exists() and (tmp_path / "student" / "head.safetensors").exists()
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")}
     assert len(stamps) == 5  # teacher, train / val / test rankings, student
