@@ -136,7 +136,14 @@ def set_experiment(cfg: PipelineConfig) -> None:
         except mlflow.exceptions.MlflowException:  # created meanwhile by another process: theirs stands
             if mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
                 raise
-    mlflow.set_experiment(cfg.tracking.experiment)
+    experiment = mlflow.set_experiment(cfg.tracking.experiment)
+    where = experiment.artifact_location
+    local = Path(where.removeprefix("file://"))
+    if cfg.tracking.tracking_uri is None and not local.resolve().is_relative_to(Path(cfg.output_dir).resolve()):
+        log.warning("MLflow experiment %r keeps its artifacts at %s, outside output_dir (it was created before "
+                    "artifacts moved to output_dir/mlartifacts): a relative location is the Ray job's temporary "
+                    "working copy, so runs:/ and models:/ URIs may not outlive the job; use a new "
+                    "tracking.experiment or output_dir", cfg.tracking.experiment, where)
 
 
 @contextmanager
