@@ -81,9 +81,16 @@ def relevance_labels(grades: Sequence[int | None], rel: int) -> np.ndarray:
     return np.array([1.0 if g is not None and g >= rel else 0.0 for g in grades])
 
 
+def _check_lengths(matrices: Sequence[np.ndarray], grades: Sequence[Sequence[int | None]]) -> None:
+    for i, (m, g) in enumerate(zip(matrices, grades)):
+        if len(g) != np.shape(m)[0]:
+            raise ValueError(f"slate {i}: {len(g)} grades for {np.shape(m)[0]} scored candidates")
+
+
 def fit_calibrator(matrices: Sequence[np.ndarray], permutations: Sequence[Sequence[int]],
                    grades: Sequence[Sequence[int | None]], rel: int, l2: float = 1e-3) -> Calibrator:
     """Logistic regression (L-BFGS on the mean log-loss + a small L2) of relevance on the features."""
+    _check_lengths(matrices, grades)
     x = np.concatenate([item_features(m, p) for m, p in zip(matrices, permutations)])  # (items, 8)
     y = np.concatenate([relevance_labels(g, rel) for g in grades])  # (items,)
     if len(set(y.tolist())) < 2:
@@ -127,6 +134,7 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int 
 def calibration_report(calibrator: Calibrator, matrices: Sequence[np.ndarray], permutations: Sequence[Sequence[int]],
                        grades: Sequence[Sequence[int | None]], bins: int = 10) -> dict:
     """ECE and the reliability bins of `calibrator` on (test) slates, with what they average."""
+    _check_lengths(matrices, grades)
     probs = np.concatenate([calibrator.probabilities(m, p) for m, p in zip(matrices, permutations)])
     labels = np.concatenate([relevance_labels(g, calibrator.rel) for g in grades])
     return {"ece": expected_calibration_error(probs, labels, bins), "slates": len(matrices), "items": int(len(labels)),

@@ -1,3 +1,4 @@
+import copy
 import numpy as np
 import pytest
 import torch
@@ -21,7 +22,7 @@ def build(kind="attention", k=8, mode="lora"):
 @pytest.mark.parametrize("kind,k", [("attention", 8), ("attention", 3), ("linear", 8), ("scalar", 8)])
 def test_head_shape_under_padding(kind, k, small_splits):
     ranker = build(kind, k)
-    reqs = small_splits["test"][:3]
+    reqs = copy.deepcopy(small_splits["test"][:3])  # the fixture is shared: change a copy
     reqs[1].candidates = reqs[1].candidates[:5]  # a shorter slate in the batch
     reranker = Reranker(ranker)
     logits = ranker(**reranker.tensors([reranker.encode_slate(r) for r in reqs]))
@@ -34,7 +35,7 @@ def test_head_shape_under_padding(kind, k, small_splits):
 
 def test_batched_equals_one_by_one(small_splits):
     ranker = build()
-    reqs = small_splits["test"][:4]
+    reqs = copy.deepcopy(small_splits["test"][:4])
     reqs[2].candidates = reqs[2].candidates[:4]
     reranker = Reranker(ranker)
     together = reranker.score_slates(reqs)

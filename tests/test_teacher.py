@@ -1,3 +1,4 @@
+import copy
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from hllm.training import BootstrapConfig, TrainConfig, bootstrap_examples, boot
 
 def test_constrained_decoding_is_always_valid(tiny_backbone, small_splits):
     model, tok = tiny_backbone  # untrained: free decoding writes garbage
-    reqs = small_splits["test"]
+    reqs = copy.deepcopy(small_splits["test"])  # the fixture is shared: change a copy
     reqs[1].candidates = reqs[1].candidates[:5]
     reqs[1].grades = reqs[1].grades[:5]
     out = ARTeacher(model, tok, PromptConfig(), 512, TeacherConfig(constrained=True, batch_size=3)).rank(reqs)
@@ -146,7 +147,7 @@ def test_first_style_scores_read_identifier_logits(tiny_backbone, small_splits):
     from hllm.baselines import first_style_scores, identifier_first_tokens
 
     model, tok = tiny_backbone
-    reqs = small_splits["test"][:2]
+    reqs = copy.deepcopy(small_splits["test"][:2])
     reqs[1].candidates = reqs[1].candidates[:5]
     builder = PromptBuilder(tok, PromptConfig(), 512)
     scores = first_style_scores(model, builder, reqs)
