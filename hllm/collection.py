@@ -22,9 +22,6 @@ from typing import Any, Literal
 from hllm.records import RerankRequest
 from hllm.runfile import ShardedRun
 
-STATS = ("queries", "windows", "failed")
-
-
 @dataclass
 class RerankSpec:
     """What ranks the queries and how; travels to Ray actors as a dict."""
@@ -56,13 +53,11 @@ class ShardRanker:
             torch.set_num_threads(spec.threads)
         self.spec = spec
         if spec.model is not None:
-            self.reranker = Reranker.load(spec.model, device=spec.device, batch_size=spec.batch_size)
-            self.window = spec.window or self.reranker.positions
-            self.reranker.window, self.reranker.stride = self.window, spec.stride or self.window // 2
-            self.reranker.windowing = spec.windowing
+            self.reranker = Reranker.load(spec.model, device=spec.device, batch_size=spec.batch_size,
+                                          stride=spec.stride, windowing=spec.windowing)
+            self.reranker.window = spec.window or self.reranker.positions  # the default needs the loaded head's K
         else:
             self.teacher = load_job_teacher(spec)
-            self.window = self.teacher.cfg.window
 
     def __call__(self, slates: Sequence[RerankRequest]) -> tuple[list[list[int]], dict[str, int]]:
         from hllm.prompts import document_text
@@ -121,7 +116,7 @@ def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: st
             ranker = ShardRanker(spec)
             for shard in todo:
                 orders, stats = ranker(shard)
-                run.write(shard, orders, spec.tag, stats)
+                run.writer.write(shard, orders, spec.tag, stats)
                 bar.update(len(shard))
     totals = run.stats()
     run.finish()

@@ -150,16 +150,15 @@ class PromptBuilder:
             budget = min(budget, max_doc_tokens)
         docs = self.tokenizer([" " + d for d in documents], add_special_tokens=False)["input_ids"]
         ids, positions, cut = list(head), [], 0
-        shown = _ids(self.tokenizer, query)
         for i, doc in enumerate(docs, start=1):
             cut += len(doc) > budget
             ids += self.id_tokens(i) + doc[:budget]
-            shown += doc[:budget]
             positions.append(len(ids) - 1)
             ids += self._newline
+        shown = query_ids[: self.cfg.max_query_tokens], *(doc[:budget] for doc in docs)  # the query's and documents' tokens
         unk = self.tokenizer.unk_token_id
-        unknown = sum(t == unk for t in shown) if unk is not None else 0
-        return EncodedPrompt(ids + tail, positions, cut, query_truncated, len(shown), unknown)
+        unknown = sum(part.count(unk) for part in shown) if unk is not None else 0
+        return EncodedPrompt(ids + tail, positions, cut, query_truncated, sum(map(len, shown)), unknown)
 
 
 def document_text(candidate: Candidate) -> str:

@@ -174,16 +174,22 @@ def read_hllm(path: str | Path, top_n: int | None = None) -> list[RerankRequest]
     return slates
 
 
+def _text_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """Tab-separated rows whose fields are free text (no quoting, no splitting on spaces); blank lines skipped."""
+    with open(path, encoding="utf-8", newline="") as fh:
+        for lineno, row in enumerate(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
+            if row and "".join(row).strip():
+                yield lineno, row
+
+
 def _query_texts(path: Path) -> dict[str, str]:
     if path.suffix == ".jsonl":
         return {str(_field(o, "_id", path, n)): str(_field(o, "text", path, n)) for n, o in _jsonl(path)}
     texts = {}
-    with open(path, encoding="utf-8", newline="") as fh:
-        for lineno, row in enumerate(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
-            if row and "".join(row).strip():
-                if len(row) != 2:
-                    raise DataFormatError(f"{path}:{lineno}: expected qid<TAB>text, got {len(row)} columns")
-                texts[row[0]] = row[1]
+    for lineno, row in _text_rows(path):
+        if len(row) != 2:
+            raise DataFormatError(f"{path}:{lineno}: expected qid<TAB>text, got {len(row)} columns")
+        texts[row[0]] = row[1]
     return texts
 
 
@@ -192,24 +198,21 @@ def read_tsv(path: str | Path, top_n: int | None = None, queries: str | Path | N
     path = Path(path)
     texts = _query_texts(Path(queries)) if queries else {}
     slates: dict[str, RerankRequest] = {}
-    with open(path, encoding="utf-8", newline="") as fh:
-        for lineno, row in enumerate(csv.reader(fh, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
-            if not row or not "".join(row).strip():
-                continue
-            if len(row) == 4:
-                qid, qtext, docid, text = row
-            elif len(row) == 3 and queries:
-                qid, docid, text = row
-                if qid not in texts:
-                    raise DataFormatError(f"{path}:{lineno}: query {qid!r} is not in {queries}")
-                qtext = texts[qid]
-            else:
-                need = "3 (qid, docid, text; queries from --queries)" if queries else \
-                    "4 (qid, query, docid, text), or 3 with a queries file"
-                raise DataFormatError(f"{path}:{lineno}: expected {need} tab-separated columns, got {len(row)}")
-            slate = slates.setdefault(qid, RerankRequest(Query(qid, qtext), []))
-            if top_n is None or len(slate.candidates) < top_n:
-                slate.candidates.append(Candidate(docid=docid, text=text))
+    for lineno, row in _text_rows(path):
+        if len(row) == 4:
+            qid, qtext, docid, text = row
+        elif len(row) == 3 and queries:
+            qid, docid, text = row
+            if qid not in texts:
+                raise DataFormatError(f"{path}:{lineno}: query {qid!r} is not in {queries}")
+            qtext = texts[qid]
+        else:
+            need = "3 (qid, docid, text; queries from --queries)" if queries else \
+                "4 (qid, query, docid, text), or 3 with a queries file"
+            raise DataFormatError(f"{path}:{lineno}: expected {need} tab-separated columns, got {len(row)}")
+        slate = slates.setdefault(qid, RerankRequest(Query(qid, qtext), []))
+        if top_n is None or len(slate.candidates) < top_n:
+            slate.candidates.append(Candidate(docid=docid, text=text))
     if not slates:
         raise DataFormatError(f"{path}: no rows")
     return list(slates.values())

@@ -177,9 +177,9 @@ class Reranker:
                 out[i] = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
                           for j in decoded.permutation]
         if long:
-            orders = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder).orders
-            for i, order in zip(long, orders):
-                out[i] = [RankedDocument(j, 1.0 - r / len(order)) for r, j in enumerate(order)]
+            ranked = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder)
+            for q, i in enumerate(long):
+                out[i] = [RankedDocument(j, s) for j, s in zip(ranked.orders[q], ranked.scores(q))]
         return [out[i][:top_k] if top_k is not None else out[i] for i in range(len(queries))]
 
     def windowed_orders(self, queries: Sequence[str], documents: Sequence[Sequence[str]], batch_size: int | None = None,
@@ -214,3 +214,8 @@ class Windowed:
     prompt_tokens: list[int]  # per query: tokens over all its windows
     truncated_documents: list[int]  # per query: documents cut to the token budget, over all its windows
     unknown_token_share: list[float]  # per query: share of its shown tokens outside the vocabulary
+
+    def scores(self, query: int) -> list[float]:
+        """The rank-derived scores along query `query`'s order: 1 - rank / N (no matrix spans all windows)."""
+        n = len(self.orders[query])
+        return [1.0 - r / n for r in range(n)]

@@ -10,7 +10,6 @@ half-written at any moment, and a shard folder started with other settings is re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,8 +20,10 @@ from typing import Any
 
 import ir_measures
 
+from hllm.metrics import ir_measure_names
 from hllm.readers import DataFormatError, read_qrels, read_run
 from hllm.records import RerankRequest
+from hllm.store import shard_name
 
 
 def atomic_write(path: str | Path, text: str) -> None:
@@ -53,10 +54,6 @@ def run_lines(slates: Sequence[RerankRequest], orders: Sequence[Sequence[int]], 
     return lines
 
 
-def _shard_name(slates: Sequence[RerankRequest]) -> str:
-    return "shard-" + hashlib.sha256("\n".join(s.slate_id for s in slates).encode()).hexdigest()[:16] + ".trec"
-
-
 class ShardWriter:
     """Writes finished shards into a run's shard folder; small, so it travels to Ray actors."""
 
@@ -65,7 +62,7 @@ class ShardWriter:
         self.manifest = directory / "manifest.json"
 
     def path(self, shard: Sequence[RerankRequest]) -> Path:
-        return self.directory / _shard_name(shard)
+        return self.directory / shard_name([s.slate_id for s in shard], ".trec")
 
     def write(self, shard: Sequence[RerankRequest], orders: Sequence[Sequence[int]], tag: str,
               stats: dict[str, int] | None = None) -> None:
@@ -94,7 +91,6 @@ class ShardedRun:
         self.shards = [list(slates[i: i + shard_size]) for i in range(0, len(slates), shard_size)]
         self.writer = ShardWriter(self.out.with_name(self.out.name + ".shards"),
                                   {**settings, "queries": len(slates), "shard_size": shard_size})
-        self.directory = self.writer.directory
         if self.writer.manifest.exists():
             before, now = json.loads(self.writer.manifest.read_text()), self.writer.settings
             if before != now:
@@ -102,13 +98,13 @@ class ShardedRun:
                 raise ValueError(f"{self.directory} holds shards of a run with other settings ({', '.join(changed)}); "
                                  f"re-run with the same settings to resume, or delete the folder to start over")
 
+    @property
+    def directory(self) -> Path:
+        return self.writer.directory
+
     def todo(self) -> list[list[RerankRequest]]:
         """The shards not on disk yet, in plan order."""
         return [s for s in self.shards if not self.writer.path(s).exists()]
-
-    def write(self, shard: Sequence[RerankRequest], orders: Sequence[Sequence[int]], tag: str,
-              stats: dict[str, int] | None = None) -> None:
-        self.writer.write(shard, orders, tag, stats)
 
     def stats(self) -> dict[str, int]:
         """Counts summed over the shards on disk."""
@@ -130,22 +126,30 @@ class ShardedRun:
         return self.out
 
 
-RUN_MEASURES = {"nDCG@10": "nDCG@10", "MRR@10": "RR(rel={rel})@10", "R@100": "R(rel={rel})@100"}
+def run_measures(rel: int) -> dict[str, str]:
+    """The job's canonical nDCG@10 / MRR@10 (`hllm.metrics.ir_measure_names`) plus R@100."""
+    names = ir_measure_names(rel, depths=(10,))
+    return {"nDCG@10": names["nDCG@10"], "MRR@10": names["MRR@10"], "R@100": f"R(rel={rel})@100"}
 
 
 def evaluate_run(run_path: str | Path, qrels_path: str | Path, rel: int = 2,
                  measures: dict[str, str] | None = None) -> dict[str, Any]:
-    """A TREC run + qrels -> {"queries": judged queries evaluated, "unjudged": run queries without
-    qrels, metric: mean}. Means over the run's judged queries, like trec_eval without -c; a run
-    that shares no query with the qrels is an error (the ids do not match)."""
-    run = read_run(run_path)
-    qrels = read_qrels(qrels_path)
+    """A TREC run file + qrels file -> {"queries": judged queries evaluated, "unjudged": run queries
+    without qrels, metric: mean}. Means over the run's judged queries, like trec_eval without -c; a
+    run that shares no query with the qrels is an error (the ids do not match)."""
+    return evaluate(read_run(run_path), read_qrels(qrels_path), rel, measures, str(run_path), str(qrels_path))
+
+
+def evaluate(run: dict[str, list[tuple[str, float]]], qrels: dict[str, dict[str, int]], rel: int = 2,
+             measures: dict[str, str] | None = None, run_name: str = "the run", qrels_name: str = "the qrels"
+             ) -> dict[str, Any]:
+    """`evaluate_run` on a run already read ({qid: [(docid, score), ...]} in rank order)."""
     judged = sorted(q for q in run if q in qrels)
     if not judged:
-        raise DataFormatError(f"no query of {run_path} ({len(run)} queries, e.g. {sorted(run)[:3]}) is in "
-                              f"{qrels_path} ({len(qrels)} queries, e.g. {sorted(qrels)[:3]}): the ids do not match")
-    parsed = {name: ir_measures.parse_measure(m.format(rel=rel)) for name, m in (measures or RUN_MEASURES).items()}
-    # scores from the file's rank column (N - rank): the file's own order, whatever its scores say
+        raise DataFormatError(f"no query of {run_name} ({len(run)} queries, e.g. {sorted(run)[:3]}) is in "
+                              f"{qrels_name} ({len(qrels)} queries, e.g. {sorted(qrels)[:3]}): the ids do not match")
+    parsed = {name: ir_measures.parse_measure(m) for name, m in (measures or run_measures(rel)).items()}
+    # scores from the rank order (N - rank): the run's own order, whatever its scores say
     scored = [ir_measures.ScoredDoc(q, d, float(len(run[q]) - r)) for q in judged for r, (d, _) in enumerate(run[q])]
     agg = ir_measures.calc_aggregate(list(parsed.values()), _qrels(qrels, judged), scored)
     return {"queries": len(judged), "unjudged": len(run) - len(judged), "rel": rel,

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from hllm import store
 from hllm.cache import fingerprint, mark_done, stage_done, stage_info
 from hllm.calibration import Calibrator, calibration_report, fit_calibrator
-from hllm.evaluation import StudentEval, evaluate_student, evaluate_teacher, first_stage_order, latency_profile, quality
+from hllm.evaluation import StudentEval, decoder_report, evaluate_teacher, first_stage_order, latency_profile, quality
 from hllm.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.metrics import input_order_agreement
 from hllm.models import ModelConfig, load_backbone, save_backbone
@@ -259,9 +260,7 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
 def calibrate_student(student_dir: Path, held_out: Sequence[RerankRequest], rel: int) -> Calibrator:
     """Fits P(relevant) on held-out slates (the val split: never trained on) and saves it with the student."""
     reranker = Reranker.load(student_dir, merge_lora=True)
-    matrices = reranker.score_slates(held_out)
-    perms = [reranker.decode(m).permutation for m in matrices]
-    calibrator = fit_calibrator(matrices, perms, [s.grades or [None] * len(s.candidates) for s in held_out], rel)
+    calibrator = fit_calibrator(*_scored(reranker, held_out, reranker.score_slates(held_out)), rel)
     calibrator.save(student_dir)
     log.info("student: calibrated on %s held-out slates (%s items, %s relevant)", *calibrator.fitted_on.values())
     return calibrator
@@ -308,6 +307,7 @@ def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: 
     reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
     slates, rel = test.slates, cfg.eval.binary_rel
     constrained = teacher.cfg.constrained
+    matrices = reranker.score_slates(slates)  # once: the decoder report and the calibration read the same
     return EvalReport(
         test_slates=len(slates), slate_size=max(len(s.candidates) for s in slates),
         first_stage=quality(slates, first_stage_order(slates), rel),
@@ -315,18 +315,24 @@ def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: 
         teacher_decoding="constrained" if constrained else "free",
         # validity is only informative without the grammar: measure free decoding too
         teacher_free=evaluate_teacher(slates, teacher.with_config(constrained=False).rank(slates), rel) if constrained else None,
-        student=evaluate_student(reranker, slates, test.permutations, cfg.eval),
+        student=decoder_report(slates, matrices, test.permutations, cfg.eval),
         latency=latency_profile(reranker, teacher, slates, cfg.eval),
-        calibration=calibration_on(reranker, slates),
+        calibration=calibration_on(reranker, slates, matrices),
     )
 
 
-def calibration_on(reranker: Reranker, slates: Sequence[RerankRequest]) -> dict[str, Any] | None:
+def _scored(reranker: Reranker, slates: Sequence[RerankRequest], matrices: list[np.ndarray]):
+    """-> (matrices, the reranker's permutations, grades with None for unjudged) for calibration."""
+    perms = [reranker.decode(m).permutation for m in matrices]
+    return matrices, perms, [s.grades or [None] * len(s.candidates) for s in slates]
+
+
+def calibration_on(reranker: Reranker, slates: Sequence[RerankRequest],
+                   matrices: list[np.ndarray] | None = None) -> dict[str, Any] | None:
+    """ECE and reliability bins of the reranker's calibrated scores on `slates` (scored here unless given)."""
     if reranker.calibrator is None:
         return None
-    matrices = reranker.score_slates(slates)
-    perms = [reranker.decode(m).permutation for m in matrices]
-    return calibration_report(reranker.calibrator, matrices, perms, [s.grades or [None] * len(s.candidates) for s in slates])
+    return calibration_report(reranker.calibrator, *_scored(reranker, slates, matrices or reranker.score_slates(slates)))
 
 
 def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:

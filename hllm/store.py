@@ -89,8 +89,9 @@ def from_rows(rows: Iterable[dict[str, Any]]) -> list[RankedSlate]:
     return [_from_row(r) for r in rows]
 
 
-def shard_name(slate_ids: Sequence[str]) -> str:
-    return "part-" + hashlib.sha256("\n".join(sorted(slate_ids)).encode()).hexdigest()[:20] + ".parquet"
+def shard_name(slate_ids: Sequence[str], suffix: str = ".parquet") -> str:
+    """A shard's file name: a hash of its slate ids (any order), so a re-run finds it again."""
+    return "part-" + hashlib.sha256("\n".join(sorted(slate_ids)).encode()).hexdigest()[:20] + suffix
 
 
 def write_shard(items: Sequence[RankedSlate], directory: str | Path) -> Path:

@@ -52,12 +52,6 @@ def _load_slates(args: argparse.Namespace):
                            "split": args.split}
 
 
-def _first_stage_run(slates, path: Path) -> None:
-    from hllm.runfile import atomic_write, run_lines
-
-    atomic_write(path, "\n".join(run_lines(slates, [list(range(len(s.candidates))) for s in slates], "first_stage")) + "\n")
-
-
 def _table(rows: dict[str, dict]) -> str:
     names = [k for k in next(iter(rows.values())) if k not in ("queries", "unjudged", "rel")]
     lines = ["| run | queries | " + " | ".join(names) + " |", "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
@@ -68,7 +62,8 @@ def _table(rows: dict[str, dict]) -> str:
 
 def cmd_rerank(args: argparse.Namespace) -> int:
     from hllm.collection import RerankSpec, rerank_collection
-    from hllm.runfile import atomic_write, evaluate_run
+    from hllm.readers import read_qrels
+    from hllm.runfile import evaluate, evaluate_run
 
     spec = RerankSpec(model=args.model, teacher=args.teacher, window=args.window, stride=args.stride,
                       windowing=args.windowing, batch_size=args.batch_size, device=args.device,
@@ -87,18 +82,16 @@ def cmd_rerank(args: argparse.Namespace) -> int:
           + (f"; {stats['failed']} teacher answers without a permutation kept the first-stage order" if stats["failed"] else ""))
     if qrels is None:
         return 0
-    first = out.with_name(out.name + ".first_stage")
-    _first_stage_run(slates, first)
-    try:
-        rows = {"first stage (input order)": evaluate_run(first, qrels, args.rel),
-                ("teacher" if args.teacher else "reranked"): evaluate_run(path, qrels, args.rel)}
-    finally:
-        first.unlink(missing_ok=True)
-    _report(rows, args.json, atomic_write)
+    first_stage = {s.slate_id: [(c.docid, 0.0) for c in s.candidates] for s in slates}  # the input order
+    rows = {"first stage (input order)": evaluate(first_stage, read_qrels(qrels), args.rel, None, "the input", str(qrels)),
+            ("teacher" if args.teacher else "reranked"): evaluate_run(path, qrels, args.rel)}
+    _report(rows, args.json)
     return 0
 
 
-def _report(rows: dict[str, dict], json_path: str | None, atomic_write) -> None:
+def _report(rows: dict[str, dict], json_path: str | None) -> None:
+    from hllm.runfile import atomic_write
+
     any_row = next(iter(rows.values()))
     print(_table(rows))
     print(f"(means over {any_row['queries']} judged queries; MRR@10 and R@100 count grade >= {any_row['rel']} as relevant"
@@ -108,10 +101,10 @@ def _report(rows: dict[str, dict], json_path: str | None, atomic_write) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from hllm.runfile import atomic_write, evaluate_run
+    from hllm.runfile import evaluate_run
 
     rows = {run: evaluate_run(run, args.qrels, args.rel) for run in args.run}
-    _report(rows, args.json, atomic_write)
+    _report(rows, args.json)
     return 0
 
 

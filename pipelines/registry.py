@@ -15,7 +15,7 @@ URIs resolve to the student folder inside it (`pipelines.common.download_mlflow_
 from __future__ import annotations
 
 import os
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -26,17 +26,20 @@ from mlflow.models import infer_signature  # noqa: E402
 
 ARTIFACT = "student"  # the student folder's name inside the logged model's artifacts
 MODEL_NAME = "student_model"  # the logged model's name in its run
-REQUIREMENTS = ("torch", "transformers", "tokenizers", "peft", "accelerate", "safetensors", "scipy", "numpy",
-                "pyyaml", "ir-measures", "pyarrow", "tqdm")
 
 
 def _requirements() -> list[str]:
+    """hllm's own dependencies (pyproject's, without extras), pinned to the installed versions."""
+    from packaging.requirements import Requirement
+
     pins = []
-    for name in REQUIREMENTS:
-        try:
-            pins.append(f"{name}=={version(name).split('+')[0]}")
-        except PackageNotFoundError:
-            pins.append(name)
+    for spec in requires("hllm") or []:
+        req = Requirement(spec)
+        if req.marker is None:  # extras (ray, smollm2, dev) are not needed to rank
+            try:
+                pins.append(f"{req.name}=={version(req.name).split('+')[0]}")
+            except PackageNotFoundError:
+                pins.append(str(req))
     return pins
 
 

@@ -4,7 +4,7 @@
 
 The same mechanism as teacher generation (`pipelines/teacher_gen.py`): each actor loads the ranker
 once (`hllm.collection.ShardRanker`, a GPU each where the cluster has them) and, per shard, ranks
-it and writes it atomically (`hllm.runfile.ShardedRun.write`); the driver joins the shards. On a
+it and writes it atomically (`hllm.runfile.ShardWriter.write`); the driver joins the shards. On a
 multi-node cluster the run file's folder must be storage every node sees.
 """
 

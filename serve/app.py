@@ -231,9 +231,9 @@ class RerankDeployment:
         except PromptTooLong as err:
             return _error(413, str(err))
         order, tokens = ranked.orders[0], ranked.prompt_tokens[0]
-        results = [RerankResult(index=i, relevance_score=1.0 - r / len(order), rank=r + 1,
+        results = [RerankResult(index=i, relevance_score=score, rank=r + 1,
                                 document=ResultDocument(text=texts[i]) if body.return_documents else None)
-                   for r, i in enumerate(order[: body.top_n or len(texts)])]
+                   for r, (i, score) in enumerate(list(zip(order, ranked.scores(0)))[: body.top_n or len(texts)])]
         return RerankResponse(
             id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens,
                                                                        truncated_documents=ranked.truncated_documents[0]),
