@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 @dataclass
@@ -39,19 +40,58 @@ class HeadConfig:
         return 1 if self.kind == "scalar" else self.positions
 
 
+class SelfAttention(nn.Module):
+    """Multi-head self-attention over the items: one fused QKV projection and one SDPA call."""
+
+    def __init__(self, width: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.num_heads, self.dropout = num_heads, dropout
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        b, n, w = x.shape
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, N, 3W)
+        q, k, v = qkv.view(b, n, 3, self.num_heads, w // self.num_heads).permute(2, 0, 3, 1, 4)  # (B, H, N, W/H) each
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                             dropout_p=self.dropout if self.training else 0.0)  # (B, H, N, W/H)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, w))  # (B, N, W)
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm Transformer encoder layer (ReLU MLP, 4x width). Parameter names are those of
+    `nn.TransformerEncoderLayer`; the forward is a handful of fused ops, the same in training and
+    inference (the head is a fixed cost on every request)."""
+
+    def __init__(self, width: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.self_attn = SelfAttention(width, num_heads, dropout)
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.linear1, self.linear2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.dropout(self.self_attn(self.norm1(x), attn_mask))  # (B, N, W)
+        return x + self.dropout(self.linear2(self.dropout(F.relu(self.linear1(self.norm2(x))))))  # (B, N, W)
+
+
 class AttentionHead(nn.Module):
     def __init__(self, hidden: int, cfg: HeadConfig):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.proj = nn.Linear(hidden, cfg.width)
-        layer = nn.TransformerEncoderLayer(cfg.width, cfg.num_heads, 4 * cfg.width, cfg.dropout,
-                                           batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(EncoderLayer(cfg.width, cfg.num_heads, cfg.dropout) for _ in range(cfg.layers))
         self.out = nn.Sequential(nn.LayerNorm(cfg.width), nn.Linear(cfg.width, cfg.k))
 
     def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         x = self.proj(self.norm(items))  # (B, N, W)
-        x = self.encoder(x, src_key_padding_mask=~item_mask)  # (B, N, W); padded items attend nowhere
+        attn_mask = item_mask[:, None, None, :]  # (B, 1, 1, N): padded items are never attended to
+        for layer in self.encoder.layers:
+            x = layer(x, attn_mask)  # (B, N, W)
         return self.out(x)  # (B, N, K)
 
 

@@ -6,6 +6,10 @@ all T tokens, but queries, the attention output, the MLP and the final norm are 
 N item positions only. The result equals the full prefill's hidden states at those positions up
 to float rounding (tested against it, LoRA merged and unmerged).
 
+Nothing after the last candidate reaches an item state (the model is causal), so the prompt's
+tail (the closing instruction and the answer cue, which the AR teacher needs) is not run at
+all: the body reads the tokens up to the last item position of the batch, exactly.
+
 The last layer's inputs (hidden states, rotary embeddings) are taken by a forward pre-hook as the
 model's own code made them, then the body stops: no private model internals are re-implemented
 except the one layer's arithmetic, which exists for the decoder-layer classes in
@@ -39,31 +43,26 @@ def supports_items_only(body: nn.Module) -> bool:
     return isinstance(layer, LAST_LAYER_AT_ITEMS) and not window and hasattr(body, "norm")
 
 
-def _gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(B, T, ...) at (B, N) positions -> (B, N, ...)."""
-    idx = positions.reshape(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
-    return x.gather(1, idx)
-
-
-def _last_layer_at(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor,
+def _last_layer_at(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
     """The last decoder layer's output at the item positions. h: (B, T, D); positions: (B, N)."""
     attn = layer.self_attn
     b, t, _ = h.shape
     n, d = positions.shape[1], attn.head_dim
+    rows = torch.arange(b, device=h.device)[:, None]  # (B, 1): with positions, indexes (B, N) states
     x = layer.input_layernorm(h)  # (B, T, D): keys and values need every token
-    q = attn.q_proj(_gather(x, positions)).view(b, n, -1, d).transpose(1, 2)  # (B, H, N, d)
+    q = attn.q_proj(x[rows, positions]).view(b, n, -1, d).transpose(1, 2)  # (B, H, N, d)
     k = attn.k_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, d)
     v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)  # (B, Hkv, T, d)
     cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)  # (B, T, d): shared positions come as (1, T, d)
-    cos_q, sin_q = _gather(cos, positions)[:, None], _gather(sin, positions)[:, None]  # (B, 1, N, d)
-    q = q * cos_q + rotate_half(q) * sin_q
+    q = q * cos[rows, positions][:, None] + rotate_half(q) * sin[rows, positions][:, None]
     k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-    keys = torch.arange(t, device=h.device)
-    allowed = (keys[None, None, :] <= positions[:, :, None]) & attention_mask[:, None, :].bool()  # (B, N, T) causal
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=attn.scaling,
+    # causal at the item positions; right padding puts every pad token after every real one, so
+    # the keys up to an item's position are all real tokens
+    allowed = torch.arange(t, device=h.device) <= positions[:, None, :, None]  # (B, 1, N, T)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=attn.scaling,
                                          enable_gqa=k.shape[1] != q.shape[1])  # (B, H, N, d)
-    hidden = _gather(h, positions) + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))  # (B, N, D)
+    hidden = h[rows, positions] + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))  # (B, N, D)
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
@@ -71,9 +70,11 @@ def item_hidden_states(body: nn.Module, input_ids: torch.Tensor, attention_mask:
                        item_positions: torch.Tensor) -> torch.Tensor:
     """(B, T) prompt, (B, N) item positions -> (B, N, D) final hidden states at the items.
     Right padding only (the ranker's prompts): positions are 0..T-1 in every row."""
+    read = int(item_positions.max()) + 1  # causal: the tokens after the last item cannot reach it
+    input_ids, attention_mask = input_ids[:, :read], attention_mask[:, :read]  # (B, T') T' <= T
     if not supports_items_only(body):
-        h = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, D)
-        return _gather(h, item_positions)
+        h = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T', D)
+        return h[torch.arange(len(h), device=h.device)[:, None], item_positions]
     last = body.layers[-1]
 
     def stop(module, args, kwargs):
@@ -86,7 +87,7 @@ def item_hidden_states(body: nn.Module, input_ids: torch.Tensor, attention_mask:
         raise RuntimeError("the decoder body finished without reaching its last layer")
     except _LastLayerInputs as inputs:
         cos, sin = inputs.position_embeddings  # (B or 1, T, d) each
-        hidden = _last_layer_at(last, inputs.hidden, cos, sin, attention_mask, item_positions)
+        hidden = _last_layer_at(last, inputs.hidden, cos, sin, item_positions)
     finally:
         handle.remove()
     return body.norm(hidden)  # (B, N, D)

@@ -43,6 +43,31 @@ def test_batched_equals_one_by_one(small_splits):
         np.testing.assert_allclose(reranker.score_slates([req])[0], mat, atol=1e-5)
 
 
+def test_attention_head_computes_what_torch_encoder_layers_compute():
+    """The fused head keeps `nn.TransformerEncoderLayer`'s parameter names and arithmetic (pre-norm,
+    ReLU, 4x MLP, padded items never attended to): heads saved before it load and score the same."""
+    from torch import nn
+    from hllm.heads import AttentionHead
+
+    torch.manual_seed(0)
+    cfg = HeadConfig(positions=5, layers=2, width=32, num_heads=4)
+    head = AttentionHead(24, cfg).eval()
+    layer = nn.TransformerEncoderLayer(32, 4, 128, 0.0, batch_first=True, norm_first=True)
+    reference = nn.ModuleDict({"norm": nn.LayerNorm(24), "proj": nn.Linear(24, 32),
+                               "encoder": nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                               "out": nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 5))}).eval()
+    for p in reference.parameters():  # every weight non-trivial (biases included)
+        p.data.normal_(0, 0.3)
+    head.load_state_dict(reference.state_dict())  # strict: the same names and shapes
+    items, mask = torch.randn(3, 7, 24), torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 4:], mask[2, 2:] = False, False
+    with torch.inference_mode():
+        ours = head(items, mask)
+        x = reference["encoder"](reference["proj"](reference["norm"](items)), src_key_padding_mask=~mask)
+        theirs = reference["out"](x)
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["lora", "full", "frozen"])
 def test_save_load_reproduces_scores_exactly(tmp_path, small_splits, mode):
     ranker = build(mode=mode)
