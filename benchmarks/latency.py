@@ -2,6 +2,8 @@
 and the AR teacher — same backbone, same requests, batch 1, measured interleaved in one run.
 
     python benchmarks/latency.py [--run-dir runs/default] [--sizes 10 20 50 100] [--requests 10]
+    python benchmarks/latency.py --run-dir runs/dl19-smollm2 --sizes 20 50 --requests 5 \
+        --data ../shared/data/trec-dl19-passage-bm25top100 --output reports/latency_smollm2.md
 
 Needs a finished job in `--run-dir` (teacher/model and student/). Prints Markdown tables, writes
 `reports/latency.md` and `reports/latency.png`. Figures, not a timed test; read the ratios.
@@ -23,6 +25,7 @@ from hllm.config import from_dict
 from hllm.decoding import DECODERS
 from hllm.evaluation import interleaved_latency, single_pass_methods
 from hllm.job import JobConfig
+from hllm.readers import read_beir
 from hllm.stages import load_teacher
 from hllm.synthetic import SyntheticConfig, generate
 
@@ -39,6 +42,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 20, 50, 100])
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--data", help="a BEIR folder: real passages (its first-stage top N) instead of embedded slates")
+    parser.add_argument("--output", default="reports/latency.md", help="Markdown report (a .png beside it)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
@@ -49,8 +54,11 @@ def main() -> None:
     teacher = load_teacher(teacher_model, cfg, torch.device("cpu"))
     rows = []
     for n in args.sizes:
-        slates = generate(SyntheticConfig(slate_size=n, catalogue_size=max(3000, 40 * n), train_slates=1, val_slates=1,
-                                          test_slates=args.requests, seed=1))[0]["test"]
+        if args.data:
+            slates = read_beir(args.data, top_n=n)[: args.requests]
+        else:
+            slates = generate(SyntheticConfig(slate_size=n, catalogue_size=max(3000, 40 * n), train_slates=1,
+                                              val_slates=1, test_slates=args.requests, seed=1))[0]["test"]
         prompts = {id(r): reranker.encode_slate(r) for r in slates}
         matrices = {}
 
@@ -67,6 +75,8 @@ def main() -> None:
         for name, fn in DECODERS.items():
             t[name] = [timed(lambda: fn(m)) for m in matrices.values()]
         med = {k: float(np.median(v)) for k, v in t.items()}
+        med["tokens"] = float(np.mean([len(p.input_ids) for p in prompts.values()]))
+        med["read"] = float(np.mean([max(p.item_positions) + 1 for p in prompts.values()]))
         rows.append((n, med))
         print(f"N={n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()), flush=True)
     lines = ["| N | bare prefill | single pass (prefill+head+hungarian) | single / prefill | FIRST-style | AR teacher | "
@@ -79,11 +89,21 @@ def main() -> None:
     lines += ["", "Decoder cost alone (ms, median):", "", "| N | " + " | ".join(DECODERS) + " |",
               "| ---: |" + " ---: |" * len(DECODERS)]
     lines += [f"| {n} | " + " | ".join(f"{m[d]:.3f}" for d in DECODERS) + " |" for n, m in rows]
+    lines += ["", "Prompt tokens (mean): the bare prefill runs all of them; the single pass runs those up to the last "
+              "candidate (causal: the closing instruction cannot reach an item state), its last decoder layer at "
+              "the N item positions only.", "", "| N | prompt tokens | run by the single pass |", "| ---: | ---: | ---: |"]
+    lines += [f"| {n} | {m['tokens']:.0f} | {m['read']:.0f} |" for n, m in rows]
     text = "\n".join(lines)
     print(text)
-    Path("reports").mkdir(exist_ok=True)
-    Path("reports/latency.md").write_text(f"# Latency against N (batch 1, {args.threads} threads, median of "
-                                          f"{args.requests} requests)\n\n{text}\n")
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    prompt = reranker.model.cfg.prompt
+    output.write_text(f"# Latency against N (batch 1, {args.threads} threads, median of {args.requests} requests)\n\n"
+                      f"Backbone `{cfg.teacher.model.preset}`{' (bootstrapped)' if cfg.teacher.bootstrap else ''}, "
+                      f"{'passages of ' + Path(args.data).name if args.data else 'embedded slates'}, head {reranker.model.cfg.head.kind} "
+                      f"({reranker.model.cfg.head.layers} layers, width {reranker.model.cfg.head.width}), prompt "
+                      f"`{prompt.template}` with passages of at most {prompt.max_doc_tokens} tokens; LoRA merged.\n\n"
+                      f"{text}\n")
     try:
         import matplotlib
 
@@ -100,7 +120,7 @@ def main() -> None:
         plt.yscale("log")
         plt.legend()
         plt.tight_layout()
-        plt.savefig("reports/latency.png", dpi=120)
+        plt.savefig(output.with_suffix(".png"), dpi=120)
     except ImportError:
         print("(matplotlib not installed: no plot)")
 

@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
 [ -f "$HOME/.ray/auth_token" ] && export RAY_AUTH_MODE=token
+# Serve's thin HTTP path (serve/app.py THIN_INGRESS): HAProxy + replicas answering HTTP directly
+export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1} RAY_SERVE_ENABLE_DIRECT_INGRESS=${RAY_SERVE_ENABLE_DIRECT_INGRESS:-1}
 port=${HLLM_DASHBOARD_PORT:-8265}
 config=() out=runs/default
 if [ "${1:-}" = "--config" ]; then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
 from pathlib import Path
 
@@ -53,6 +54,11 @@ def ray_local():
     """One local Ray for the whole session (4 logical CPUs on 2 cores, dashboard off)."""
     import ray
 
+    from serve.app import thin_ingress
+
+    thin_ingress()  # Serve as deployed: HAProxy + direct ingress
+    # a stopping direct-ingress replica stays up 30 s for load balancers to deregister it; not in tests
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
