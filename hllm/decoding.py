@@ -62,6 +62,8 @@ def tail_scores(scores: np.ndarray) -> np.ndarray:
 
 def _complete(head: list[int], scores: np.ndarray) -> np.ndarray:
     """Appends the items not in `head`, ordered by `tail_scores` (ties: input order)."""
+    if len(head) == len(scores):  # K = N: nothing to append
+        return np.array(head, dtype=np.int64)
     taken = set(head)
     rest = [i for i in np.lexsort((np.arange(len(scores)), -tail_scores(scores))) if i not in taken]
     return np.array(head + rest, dtype=np.int64)

@@ -95,6 +95,8 @@ def run_cells(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell], teac
         except Exception as err:  # a failed cell is counted and reported, the others go on
             log.error("  %s seed %d FAILED: %s", name, seed, err)
             failures.append({"variant": name, "seed": seed, "error": str(err).strip().splitlines()[-1][:300]})
+    order = {(cell.name, seed): i for i, (cell, seed) in enumerate((c, s) for c in cells for s in grid.seeds)}
+    failures.sort(key=lambda f: order[(f["variant"], f["seed"])])  # grid order, not completion order
     return results, failures
 
 
