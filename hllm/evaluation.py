@@ -107,8 +107,9 @@ def evaluate_student(reranker: Reranker, requests: Sequence[RerankRequest], teac
 
 
 def interleaved_latency(methods: dict[str, Callable[[RerankRequest], object]], requests: Sequence[RerankRequest],
-                        warmup: int = 3) -> dict[str, dict[str, float]]:
-    """-> {method: {p50_ms, p95_ms}} at batch size 1; request i is timed for every method before
+                        warmup: int = 3, samples: bool = False) -> dict[str, dict]:
+    """-> {method: {p50_ms, p95_ms}} (and `samples_ms`, each request's time in request order, when
+    `samples`) at batch size 1; request i is timed for every method before
     request i + 1, so machine noise hits all methods alike. Each timed call comes right after an
     untimed call of the same method on the same request: whichever method follows the AR teacher's
     long generation otherwise pays ~2 ms of cold caches (a replica serving one method does not), and
@@ -123,7 +124,8 @@ def interleaved_latency(methods: dict[str, Callable[[RerankRequest], object]], r
             t = _timed(lambda: methods[name](req))
             if i >= warmup:
                 times[name].append(1000 * t)
-    return {k: {"p50_ms": float(np.median(v)), "p95_ms": float(np.percentile(v, 95))} for k, v in times.items()}
+    return {k: {"p50_ms": float(np.median(v)), "p95_ms": float(np.percentile(v, 95)), **({"samples_ms": v} if samples else {})}
+            for k, v in times.items()}
 
 
 def _timed(fn) -> float:
