@@ -197,6 +197,19 @@ def test_health_models_and_openapi(app):
     assert "/v1/rerank" in spec["paths"] and requests.get(URL + "/docs", timeout=30).status_code == 200
 
 
+def test_requests_reach_the_replica_through_haproxy_not_the_python_proxy(app):
+    """The thin ingress (serve.app.THIN_INGRESS) is what serves: an HAProxy process listens on the
+    port, and the replica's own HTTP server (direct ingress) answers on a port of its own."""
+    import psutil
+
+    listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid}
+    assert psutil.Process(listening[PORT]).name() == "haproxy"
+    replica_ports = [port for port in listening if 30000 <= port <= 31000]
+    assert replica_ports
+    direct = requests.get(f"http://127.0.0.1:{replica_ports[0]}/healthz", timeout=30)
+    assert direct.json() == {"status": "ok"}
+
+
 def test_bearer_auth_both_ways(app, student_dir):
     from ray import serve
 
