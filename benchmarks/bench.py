@@ -23,10 +23,10 @@ def local_ray(serve_port: int | None = None) -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
 
 
-def write_report(name: str, title: str, text: str) -> Path:
-    """Prints `text` and writes it as `reports/<name>.md` under `# title`."""
+def write_report(name: str, title: str, text: str, path: str | Path | None = None) -> Path:
+    """Prints `text` and writes it as `reports/<name>.md` (or `path`) under `# title`."""
     print(text)
-    path = Path("reports") / f"{name}.md"
-    path.parent.mkdir(exist_ok=True)
+    path = Path(path) if path else Path("reports") / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# {title}\n\n{text.rstrip()}\n")
     return path

@@ -2,7 +2,7 @@
 and the AR teacher — same backbone, same requests, batch 1, measured interleaved in one run.
 
     python benchmarks/latency.py [--run-dir runs/default] [--sizes 10 20 50 100] [--requests 10]
-    python benchmarks/latency.py --run-dir runs/dl19-smollm2 --sizes 20 50 --requests 5 \
+    python benchmarks/latency.py --run-dir runs/dl19-smollm2 --sizes 20 --requests 6 \
         --data ../shared/data/trec-dl19-passage-bm25top100 --output reports/latency_smollm2.md
 
 Needs a finished job in `--run-dir` (teacher/model and student/). Prints Markdown tables, writes

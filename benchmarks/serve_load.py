@@ -124,7 +124,7 @@ def main() -> None:
 
     import torch
 
-    from bench import local_ray
+    from bench import local_ray, write_report
     from hllm import Reranker
     from serve.app import THIN_INGRESS, AppArgs, RerankDeployment
 
@@ -204,11 +204,7 @@ def main() -> None:
                  "proportion to the tokens), so batching only saves the per-call overheads.")
     lines.append(f"replicas during the burst: started at {seen[0] if seen else '?'}, max {max(seen) if seen else '?'} "
                  f"(samples: {seen[:: max(1, len(seen) // 20)]})")
-    text = "\n".join(lines)
-    print(text)
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(f"# Serve load test\n\n{text}\n")
+    write_report("serve_load", "Serve load test", "\n".join(lines), args.output)
     serve.shutdown()
     ray.shutdown()
 
