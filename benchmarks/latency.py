@@ -23,7 +23,7 @@ from hllm import Reranker
 from hllm.baselines import first_style_scores
 from hllm.config import from_dict
 from hllm.decoding import DECODERS
-from hllm.evaluation import interleaved_latency, single_pass_methods
+from hllm.evaluation import interleaved_latency, paired_ratio, single_pass_methods
 from hllm.job import JobConfig
 from hllm.readers import read_beir
 from hllm.stages import load_teacher
@@ -73,8 +73,7 @@ def main() -> None:
         with torch.no_grad():
             lat = interleaved_latency(methods, slates, warmup=2, samples=True)  # shuffled order per request
         t = {k: [v["p50_ms"]] for k, v in lat.items()}
-        # the ratio of each request's two times, timed moments apart: drift of the machine cancels
-        t["ratio"] = [float(np.median(np.array(lat["single"]["samples_ms"]) / np.array(lat["prefill"]["samples_ms"])))]
+        t["ratio"] = [paired_ratio(lat, "single", "prefill")]
         for name, fn in DECODERS.items():
             t[name] = [timed(lambda: fn(m)) for m in matrices.values()]
         med = {k: float(np.median(v)) for k, v in t.items()}

@@ -128,6 +128,12 @@ def interleaved_latency(methods: dict[str, Callable[[RerankRequest], object]], r
             for k, v in times.items()}
 
 
+def paired_ratio(latency: dict[str, dict], num: str, den: str) -> float:
+    """Median over requests of each request's `num` time / its `den` time (from `interleaved_latency(...,
+    samples=True)`): the two are timed moments apart, so the machine's drift cancels."""
+    return float(np.median(np.array(latency[num]["samples_ms"]) / np.array(latency[den]["samples_ms"])))
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -146,10 +152,15 @@ def single_pass_methods(reranker: Reranker, prompts: dict[int, EncodedPrompt], d
 
 
 def latency_profile(reranker: Reranker, teacher, requests: Sequence[RerankRequest], cfg: EvalConfig) -> dict[str, dict[str, float]]:
-    """Per-request latency (ms, p50/p95) at batch size 1 for each method, measured interleaved."""
+    """Per-request latency (ms, p50/p95) at batch size 1 for each method, measured interleaved; the
+    single pass also carries `over_prefill` (`paired_ratio` to the bare prefill)."""
     reqs = list(requests[: cfg.latency_requests])
     prompts = {id(r): reranker.encode_slate(r) for r in reqs}
     methods = {"tokenize": reranker.encode_slate, **single_pass_methods(reranker, prompts, cfg.main_decoder),
                "ar_teacher": lambda req: teacher.rank([req])}
     with torch.inference_mode():
-        return interleaved_latency(methods, reqs, cfg.latency_warmup)
+        latency = interleaved_latency(methods, reqs, cfg.latency_warmup, samples=True)
+    latency["single_pass"]["over_prefill"] = paired_ratio(latency, "single_pass", "bare_prefill")
+    for figures in latency.values():
+        del figures["samples_ms"]
+    return latency

@@ -83,7 +83,7 @@ class AttentionHead(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.proj = nn.Linear(hidden, cfg.width)
-        self.encoder = nn.Module()
+        self.encoder = nn.Module()  # a container only: keeps the state-dict names `encoder.layers.i.*`
         self.encoder.layers = nn.ModuleList(EncoderLayer(cfg.width, cfg.num_heads, cfg.dropout) for _ in range(cfg.layers))
         self.out = nn.Sequential(nn.LayerNorm(cfg.width), nn.Linear(cfg.width, cfg.k))
 
