@@ -30,7 +30,7 @@ from hllm.config import from_dict
 from hllm.evaluation import first_stage_order, quality
 from hllm.job import JobConfig
 from hllm.models import load_backbone
-from hllm.prompts import PromptBuilder
+from hllm.prompts import PromptBuilder, collate
 from hllm.splits import load_splits
 from hllm.stages import teacher_model
 from hllm.training import grade_token_ids
@@ -47,15 +47,10 @@ def item_states(model, builder: PromptBuilder, slates, batch: int = 32) -> tuple
     states, logits = [], []
     for start in range(0, len(slates), batch):
         encs = [builder.encode(s, with_answer=True) for s in slates[start: start + batch]]
-        t = max(len(e.input_ids) for e in encs)
-        ids = torch.full((len(encs), t), builder.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, e in enumerate(encs):  # right padding: positions stay as encoded
-            ids[r, : len(e.input_ids)] = torch.tensor(e.input_ids)
-            mask[r, : len(e.input_ids)] = 1
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        rows = torch.tensor([r for r, e in enumerate(encs) for _ in e.item_positions])
-        cols = torch.tensor([p for e in encs for p in e.item_positions])
+        b = collate(encs, builder.tokenizer.pad_token_id, padding_side="right")  # positions stay as encoded
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True)
+        rows, cols = b["item_mask"].nonzero(as_tuple=True)  # every real candidate, slate by slate
+        cols = b["item_positions"][rows, cols]
         states.append(torch.stack([h[rows, cols].float() for h in out.hidden_states]))  # (L+1, i, H)
         logits.append(out.logits[rows, cols].float())  # (i, V)
     return torch.cat(states, dim=1), torch.cat(logits)
