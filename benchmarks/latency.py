@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import write_report
+
 from hllm import Reranker
 from hllm.baselines import first_style_scores
 from hllm.config import from_dict
@@ -97,17 +99,13 @@ def main() -> None:
               "candidate (causal: the closing instruction cannot reach an item state), its last decoder layer at "
               "the N item positions only.", "", "| N | prompt tokens | run by the single pass |", "| ---: | ---: | ---: |"]
     lines += [f"| {n} | {m['tokens']:.0f} | {m['read']:.0f} |" for n, m in rows]
-    text = "\n".join(lines)
-    print(text)
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     prompt = reranker.model.cfg.prompt
-    output.write_text(f"# Latency against N (batch 1, {args.threads} threads, median of {args.requests} requests)\n\n"
-                      f"Backbone `{cfg.teacher.model.preset}`{' (bootstrapped)' if cfg.teacher.bootstrap else ''}, "
-                      f"{'passages of ' + Path(args.data).name if args.data else 'embedded slates'}, head {reranker.model.cfg.head.kind} "
-                      f"({reranker.model.cfg.head.layers} layers, width {reranker.model.cfg.head.width}), prompt "
-                      f"`{prompt.template}` with passages of at most {prompt.max_doc_tokens} tokens; LoRA merged.\n\n"
-                      f"{text}\n")
+    setup = (f"Backbone `{cfg.teacher.model.preset}`{' (bootstrapped)' if cfg.teacher.bootstrap else ''}, "
+             f"{'passages of ' + Path(args.data).name if args.data else 'embedded slates'}, head {reranker.model.cfg.head.kind} "
+             f"({reranker.model.cfg.head.layers} layers, width {reranker.model.cfg.head.width}), prompt "
+             f"`{prompt.template}` with passages of at most {prompt.max_doc_tokens} tokens; LoRA merged.")
+    output = write_report("latency", f"Latency against N (batch 1, {args.threads} threads, median of {args.requests} requests)",
+                          "\n".join([setup, "", *lines]), args.output)
     try:
         import matplotlib
 
