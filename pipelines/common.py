@@ -32,6 +32,7 @@ class ClusterConfig:
     use_gpu: bool | None = None  # None: use GPUs when the cluster has them
     serve_port: int = 8000  # full.py's deployment (bound to 127.0.0.1)
     spread: bool = False  # place teacher actors and train workers on as many nodes as possible
+    actor_start_timeout_s: float = 600.0  # an actor pool waits for all its actors before the first batch (0: not)
 
     def __post_init__(self) -> None:
         if self.teacher_actors < 1 or self.train_workers < 1:
@@ -100,6 +101,13 @@ def init_ray(cfg: ClusterConfig) -> None:
 
         thin_ingress()
         ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, dashboard_host="127.0.0.1")
+
+
+def wait_for_actors(ds: Any, cfg: ClusterConfig) -> None:
+    """Make `ds`'s actor pools start every actor before the first batch: otherwise the first actor up
+    takes the whole queue of a short stage (the others sit idle), and a cluster that cannot place the
+    pool hangs instead of failing with Ray Data's timeout error."""
+    ds.context.wait_for_min_actors_s = cfg.actor_start_timeout_s if cfg.actor_start_timeout_s > 0 else -1
 
 
 def cluster_has_gpus(cfg: ClusterConfig) -> bool:

@@ -41,7 +41,7 @@ def ray_map_shards(actors: int, cpus_per_actor: float = 1.0, address: str | None
                    progress: Callable[[int], None]) -> None:
         import ray
 
-        from pipelines.common import ClusterConfig, cluster_has_gpus, init_ray
+        from pipelines.common import ClusterConfig, cluster_has_gpus, init_ray, wait_for_actors
 
         if not todo:
             return
@@ -49,6 +49,7 @@ def ray_map_shards(actors: int, cpus_per_actor: float = 1.0, address: str | None
         init_ray(cluster)
         gpu = cluster_has_gpus(cluster)
         ds = ray.data.from_arrow([store.slates_table(shard) for shard in todo])  # a block per shard
+        wait_for_actors(ds, cluster)
         done = ds.map_batches(
             RerankActor, fn_constructor_kwargs={"spec": dataclasses.asdict(spec), "writer": run.writer, "use_gpu": gpu},
             batch_size=None, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=min(actors, len(todo))),

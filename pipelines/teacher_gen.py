@@ -28,7 +28,8 @@ from hllm.models import ModelConfig  # noqa: E402
 from hllm.records import RerankRequest  # noqa: E402
 from hllm.splits import SPLITS, load_splits  # noqa: E402
 from hllm.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
-from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
+from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job,
+                              wait_for_actors)  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.teacher_gen")
 
@@ -68,6 +69,7 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
         batch = cfg.cluster.teacher_batch_slates
         table = store.slates_table(slates)
         ds = ray.data.from_arrow([table.slice(start, batch) for start in range(0, len(slates), batch)])  # a block per batch
+        wait_for_actors(ds, cfg.cluster)
         ranked = ds.map_batches(
             TeacherActor,
             fn_constructor_kwargs={"job": to_dict(cfg), "teacher_model": to_dict(teacher_model),
