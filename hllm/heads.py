@@ -74,8 +74,21 @@ class EncoderLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        if attn_mask is None and not (self.training or torch.is_grad_enabled()):
+            return self._fused(x)  # inference on unpadded slates: one native op, the same arithmetic
         x = x + self.dropout(self.self_attn(self.norm1(x), attn_mask))  # (B, N, W)
         return x + self.dropout(self.linear2(self.dropout(F.relu(self.linear1(self.norm2(x))))))  # (B, N, W)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, W) -> (B, N, W): the whole layer as torch's native encoder-layer kernel (the one
+        behind `nn.TransformerEncoderLayer`'s inference fast path, on CPU and CUDA), which spares ~15
+        dispatches per layer; a per-request fixed cost at small N (tested equal to the eager path)."""
+        attn = self.self_attn
+        return torch._transformer_encoder_layer_fwd(
+            x, x.shape[-1], attn.num_heads, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+            attn.out_proj.bias, False, True, self.norm1.eps, self.norm1.weight, self.norm1.bias,  # ReLU, pre-norm
+            self.norm2.weight, self.norm2.bias, self.linear1.weight, self.linear1.bias, self.linear2.weight,
+            self.linear2.bias, None, None)  # no mask
 
 
 class AttentionHead(nn.Module):
@@ -89,7 +102,8 @@ class AttentionHead(nn.Module):
 
     def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         x = self.proj(self.norm(items))  # (B, N, W)
-        attn_mask = item_mask[:, None, None, :]  # (B, 1, 1, N): padded items are never attended to
+        # (B, 1, 1, N): padded items are never attended to; None when no slate of the batch is padded
+        attn_mask = None if bool(item_mask.all()) else item_mask[:, None, None, :]
         for layer in self.encoder.layers:
             x = layer(x, attn_mask)  # (B, N, W)
         return self.out(x)  # (B, N, K)

@@ -66,6 +66,14 @@ def test_attention_head_computes_what_torch_encoder_layers_compute():
         x = reference["encoder"](reference["proj"](reference["norm"](items)), src_key_padding_mask=~mask)
         theirs = reference["out"](x)
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-5, rtol=1e-5)
+    # unpadded slates at inference take torch's native encoder-layer kernel; with gradients, the op-by-op path
+    full = torch.ones(3, 7, dtype=torch.bool)
+    with torch.inference_mode():
+        fused = head(items, full)
+        theirs = reference["out"](reference["encoder"](reference["proj"](reference["norm"](items))))
+    eager = head(items, full).detach()
+    torch.testing.assert_close(fused, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eager, theirs, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["lora", "full", "frozen"])
