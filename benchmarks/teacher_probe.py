@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from bench import write_report
 
+from hllm.ablations import scores_to_perm
 from hllm.config import from_dict
 from hllm.evaluation import first_stage_order, quality
 from hllm.job import JobConfig
@@ -66,7 +67,7 @@ def probe_rankings(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.T
     a, y = z(train_x), train_y.double() - train_y.double().mean()
     w = torch.linalg.solve(a.T @ a + ridge * torch.eye(a.shape[1], dtype=a.dtype), a.T @ y)  # (H,)
     scores = (z(test_x) @ w).split(sizes)
-    return [sorted(range(len(s)), key=lambda i: -float(s[i])) for s in scores]
+    return [scores_to_perm(s.numpy()) for s in scores]
 
 
 @torch.no_grad()
@@ -139,7 +140,7 @@ def main() -> None:
         confusions = Counter((g, p) for g, p in zip(gold, read) if g != p)
         wrong = sum(confusions.values())
         expected = (test_logits[:, digits].softmax(-1) * torch.arange(len(digits))).sum(-1).split(sizes)
-        by_grade = [sorted(range(len(e)), key=lambda i: -float(e[i])) for e in expected]
+        by_grade = [scores_to_perm(e.numpy()) for e in expected]
         lines += ["", f"Grade read by the teacher's LM head at each candidate's last token: accuracy "
                   f"{1 - wrong / len(gold):.3f} over {len(gold)} candidates; ranking by its expected grade: nDCG@10 "
                   f"{quality(test, by_grade, rel)['nDCG@10']:.4f}. Errors (gold → read): "
