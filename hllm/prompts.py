@@ -3,8 +3,11 @@
 The prompt is built from token segments rather than one string, so that (1) every candidate
 gets its own token budget and the whole prompt fits the model's context, with room left for
 the teacher's answer, and (2) we know the index of the last token of every candidate: where the
-single-pass head reads the hidden state. The chat template is used when the tokenizer has one
-(the user turn is framed around a sentinel, so its tokens are exact).
+single-pass head reads the hidden state. RankGPT puts each identifier before its passage
+(`[3] text`); the compact template puts it after (`text [3]`), so the identifier token, the one
+an answer copies, has read its passage (causal attention) and is the candidate's last token.
+The chat template is used when the tokenizer has one (the user turn is framed around a sentinel,
+so its tokens are exact).
 """
 
 from __future__ import annotations
@@ -33,14 +36,18 @@ _SENTINEL = "\u2063HLLM_USER_TURN\u2063"
 class Template:
     prefix: str  # before the candidates; {num} and {query} are filled in
     suffix: str  # after the candidates
+    label_after: bool = False  # each candidate's identifier follows its text ("text [3]") instead of preceding it
 
 
 TEMPLATES = {
     # RankGPT / RankZephyr (rank_llm's wording): for real instruction-tuned LLMs
     "rankgpt": Template(PREFIX, SUFFIX),
-    # the same structure with a one-line instruction: for models trained from scratch, where the
-    # ~90 boilerplate tokens carry no meaning and cost a third of every training step
-    "compact": Template("Query: {query}\n", "Rank the {num} passages above by relevance to the query: {query}."),
+    # the same structure with a one-line instruction, for models trained from scratch (the ~90
+    # boilerplate tokens carry no meaning and cost a third of every training step), and each
+    # identifier after its passage: a from-scratch teacher learns to write rankings from it within
+    # the bootstrap's budget, where `[3] text` left its answer at the first stage's level (README)
+    "compact": Template("Query: {query}\n", "Rank the {num} passages above by relevance to the query: {query}.",
+                        label_after=True),
 }
 
 
@@ -152,7 +159,7 @@ class PromptBuilder:
         ids, positions, cut = list(head), [], 0
         for i, doc in enumerate(docs, start=1):
             cut += len(doc) > budget
-            ids += self.id_tokens(i) + doc[:budget]
+            ids += doc[:budget] + self.id_tokens(i) if template.label_after else self.id_tokens(i) + doc[:budget]
             positions.append(len(ids) - 1)
             ids += self._newline
         shown = query_ids[: self.cfg.max_query_tokens], *(doc[:budget] for doc in docs)  # the query's and documents' tokens

@@ -7,7 +7,7 @@ the head reads the hidden state at the last token of every candidate. This modul
     hllm_ranker.json     model / adapt / head / prompt configs (the base-model reference)
     adapter/             peft LoRA adapter (safetensors), when adapt.mode == "lora"
     backbone/            full backbone weights (safetensors), when adapt.mode == "full"
-    base/                a copy of an `hf` base model, when saved with bundle_base=True
+    base/                a copy of a file-backed base model (`hf`, `embedded`), when saved with bundle_base=True
     head.safetensors     head weights
 """
 
@@ -28,7 +28,7 @@ from torch import nn
 from hllm.config import from_dict, to_dict
 from hllm.heads import HeadConfig, build_head
 from hllm.item_states import item_hidden_states
-from hllm.models import ModelConfig, load_backbone, save_backbone
+from hllm.models import ModelConfig, load_backbone, save_backbone, weights_dir
 from hllm.prompts import PromptBuilder, PromptConfig
 
 CONFIG_FILE = "hllm_ranker.json"
@@ -121,15 +121,16 @@ class SinglePassRanker(nn.Module):
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:
-        """`bundle_base` copies an `hf` base model into the directory, making it self-contained."""
+        """`bundle_base` copies a file-backed base model into the directory, making it self-contained."""
         if self.merged:
             raise ValueError("this ranker was loaded with merge_lora=True (for inference); save the unmerged one")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         cfg = to_dict(self.cfg)
-        if bundle_base and self.cfg.model.preset == "hf":
-            shutil.copytree(self.cfg.model.path, directory / "base", dirs_exist_ok=True)
-            cfg["model"]["path"] = "base"
+        base = weights_dir(self.cfg.model)
+        if bundle_base and base is not None:  # a file-backed base (`hf`, the shipped `embedded` teacher)
+            shutil.copytree(base, directory / "base", dirs_exist_ok=True)
+            cfg["model"].update(preset="hf", path="base")
         if self.cfg.adapt.mode == "lora":
             self.backbone.save_pretrained(directory / "adapter", safe_serialization=True)
         elif self.cfg.adapt.mode == "full":

@@ -11,7 +11,9 @@ store (`hllm.store`), so an interrupted generation resumes where it stopped.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,8 +29,9 @@ from hllm.calibration import Calibrator, calibration_report, fit_calibrator
 from hllm.evaluation import StudentEval, decoder_report, evaluate_teacher, first_stage_order, latency_profile, quality
 from hllm.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.metrics import input_order_agreement
-from hllm.models import ModelConfig, load_backbone, save_backbone
-from hllm.prompts import PromptBuilder
+from hllm.models import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
+                         save_backbone, weights_id)
+from hllm.prompts import PromptBuilder, PromptConfig
 from hllm.ranker import CONFIG_FILE, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import ParseCounts, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
@@ -79,15 +82,55 @@ def bootstrap_teacher_stage(cfg: JobConfig, train: list[RerankRequest], val: lis
     return saved
 
 
+def export_teacher(run_dir: str | Path, to: str | Path = EMBEDDED_TEACHER) -> dict[str, Any]:
+    """A job's bootstrapped teacher -> a model folder with `provenance.json` (what `embedded` loads):
+    the recipe (data, prompt, model, bootstrap settings), the bootstrap's record (steps, seconds,
+    the kept step and its held-out loss), the job's test figures where it has them, and the
+    weights' SHA-256. -> the provenance."""
+    run_dir, to = Path(run_dir), Path(to)
+    source = run_dir / "teacher" / "model"
+    if stage_info(run_dir / "teacher") is None or not (source / WEIGHTS).is_file():
+        raise FileNotFoundError(f"no finished teacher bootstrap under {run_dir} (teacher/stage.json, teacher/model)")
+    job = json.loads((run_dir / "config.json").read_text())
+    report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").is_file() else None
+    to.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        shutil.copy2(f, to / f.name)
+    provenance = {
+        "made_by": f"hllm export-teacher {run_dir}",
+        "recipe": {"data": job["data"], "prompt": job["prompt"], "model": job["teacher"]["model"],
+                   "bootstrap_cfg": job["teacher"]["bootstrap_cfg"]},
+        "bootstrap": stage_info(run_dir / "teacher"),
+        "test": None if report is None else {
+            "slates": report["test_slates"], "first_stage_nDCG@10": report["first_stage"]["nDCG@10"],
+            "teacher_nDCG@10": report["teacher"]["nDCG@10"], "teacher_decoding": report["teacher_decoding"]},
+        "sha256": file_sha256(to / WEIGHTS),
+    }
+    (to / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+    return provenance
+
+
 def load_teacher(model_cfg: ModelConfig, cfg: JobConfig, device: torch.device | str) -> ARTeacher:
+    if model_cfg.preset == "embedded":
+        check_embedded_prompt(cfg.prompt)
     model, tokenizer = load_backbone(model_cfg)
     tokenizer.padding_side = "left"
     return ARTeacher(model.to(device), tokenizer, cfg.prompt, model_cfg.context_length, cfg.teacher.generation)
 
 
+def check_embedded_prompt(prompt: PromptConfig) -> None:
+    """The shipped teacher writes rankings for the prompt it was bootstrapped on, and no other."""
+    trained = embedded_provenance()["recipe"]["prompt"]
+    differs = {k: (v, trained[k]) for k, v in dataclasses.asdict(prompt).items() if k in trained and trained[k] != v}
+    if differs:
+        raise ValueError("the embedded teacher was bootstrapped on another prompt: " + ", ".join(
+            f"prompt.{k}={v!r} (trained: {t!r})" for k, (v, t) in differs.items())
+            + "; use its prompt, or bootstrap a teacher for this one (teacher.model.preset=tiny teacher.bootstrap=true)")
+
+
 def generation_key(cfg: JobConfig, teacher_model: ModelConfig) -> str:
     """Identifies a teacher's rankings: data, prompt, teacher weights and decoding settings."""
-    weights = stage_info(Path(cfg.output_dir) / "teacher") if cfg.teacher.bootstrap else None
+    weights = stage_info(Path(cfg.output_dir) / "teacher") if cfg.teacher.bootstrap else weights_id(teacher_model)
     return fingerprint(cfg.data, cfg.prompt, teacher_model, cfg.teacher.generation, weights or "")
 
 
@@ -278,7 +321,8 @@ def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dic
         "teacher": teacher,
         "training_data": {"source": data.source, "path": data.path, "top_n": data.top_n,
                           "train_slates": len(train.items), "queries": len({s.slate_id for s in train.slates})},
-        "vocabulary": "synthetic word-level (the embedded catalogue's words only)" if t.model.preset == "tiny" else "the base model's",
+        "vocabulary": ("synthetic word-level (the embedded catalogue's words only)" if t.model.preset in ("tiny", "embedded")
+                       else "the base model's"),
         "positions": rcfg.head.positions,
         "prompt": {"template": rcfg.prompt.template, "max_doc_tokens": rcfg.prompt.max_doc_tokens,
                    "context_length": m.context_length},

@@ -281,6 +281,15 @@ class BootstrapConfig:
     # with held-out slates: their answer loss every `train.log_every` steps, and the weights of the
     # best one are kept (early stopping without stopping: the schedule still runs to the end)
     keep_best: bool = True
+    # the order the gold answer gives candidates of equal grade: random (with `loss: set`, any order
+    # of tied grades is right, so the teacher's own order among them is arbitrary), or first_stage
+    # (their input order: a stable sort by grade, one deterministic answer a student can learn;
+    # needs `loss: exact`, under which that order is what is trained)
+    ties: Literal["random", "first_stage"] = "random"
+
+    def __post_init__(self) -> None:
+        if self.ties == "first_stage" and self.loss != "exact":
+            raise ValueError("teacher.bootstrap_cfg.ties=first_stage needs loss=exact (loss=set accepts any order of ties)")
 
 
 def gold_permutation(grades: list[int | None], rng: random.Random | None = None) -> list[int]:
@@ -308,12 +317,10 @@ def shuffled(request: RerankRequest, rng: random.Random) -> RerankRequest:
 
 
 def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], loss: str = "set",
-                       seed: int = 0, shuffle_candidates: float = 0.0, unjudged_grade: int | None = None
-                       ) -> list[BootstrapExample]:
-    """Gold answers with ties in grade in a random order: with input order, the model learns the
-    shortcut "the next relevant item comes after the last one written", which breaks as soon as
-    its own first choice differs from the gold one. A `shuffle_candidates` share of the slates
-    is shown in a random candidate order."""
+                       seed: int = 0, shuffle_candidates: float = 0.0, unjudged_grade: int | None = None,
+                       ties: str = "random") -> list[BootstrapExample]:
+    """Gold answers with ties in grade in a random order (`ties`), or in their input order. A
+    `shuffle_candidates` share of the slates is shown in a random candidate order."""
     tok = builder.tokenizer
     rng = random.Random(seed)
     out = []
@@ -325,7 +332,7 @@ def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], lo
                              f"(or teacher.bootstrap_cfg.unjudged_grade to train unjudged ones as that grade)")
         if shuffle_candidates and rng.random() < shuffle_candidates:
             req = shuffled(req, rng)
-        perm = gold_permutation(req.grades, rng)
+        perm = gold_permutation(req.grades, rng if ties == "random" else None)
         answer = tok(format_ranking(perm), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         accept = [[t] for t in answer]
         if loss == "set":
@@ -439,8 +446,10 @@ def bootstrap_teacher(model, builder: PromptBuilder, requests: list[RerankReques
     model = adapt_backbone(model, cfg.adapt)
     model.train()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    examples = bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed, cfg.shuffle_candidates, cfg.unjudged_grade)
-    held_out = bootstrap_examples(builder, val, cfg.loss, cfg.train.seed, unjudged_grade=cfg.unjudged_grade) if val else []
+    examples = bootstrap_examples(builder, requests, cfg.loss, cfg.train.seed, cfg.shuffle_candidates, cfg.unjudged_grade,
+                                  cfg.ties)
+    held_out = bootstrap_examples(builder, val, cfg.loss, cfg.train.seed, unjudged_grade=cfg.unjudged_grade,
+                                  ties=cfg.ties) if val else []
     best: dict = {"val_answer_nll": math.inf, "weights": None}
 
     @torch.no_grad()

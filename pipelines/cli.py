@@ -6,6 +6,7 @@
     hllm config show [--config configs/dl19-smollm2.yaml] [key=value ...]
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
+    hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
 Bad input (a missing model, a malformed file, ids that do not match, a query with no candidates)
 is one line on stderr naming the file and the exit status 2; nothing is half-written.
@@ -132,6 +133,18 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_teacher(args: argparse.Namespace) -> int:
+    from hllm.models import EMBEDDED_TEACHER
+    from hllm.stages import export_teacher
+
+    provenance = export_teacher(args.run_dir, args.to or EMBEDDED_TEACHER)
+    test = provenance["test"]
+    print(f"teacher of {args.run_dir} -> {args.to or EMBEDDED_TEACHER} (sha256 {provenance['sha256'][:12]}, "
+          f"{provenance['bootstrap'].get('steps')} steps" + (f"; test nDCG@10 {test['teacher_nDCG@10']:.4f} vs first "
+                                                             f"stage {test['first_stage_nDCG@10']:.4f}" if test else "") + ")")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pipelines import full
 
@@ -208,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alias", default="champion", help="the alias to move")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI)")
     p.set_defaults(func=cmd_promote)
+
+    x = sub.add_parser("export-teacher", help="a job's bootstrapped teacher -> the shipped embedded teacher",
+                       formatter_class=fmt, description="Copies RUN_DIR/teacher/model (a job run with "
+                       "teacher.bootstrap=true, e.g. configs/embedded-teacher.yaml) to the folder preset 'embedded' "
+                       "loads, with provenance.json: the recipe, the bootstrap's record, the job's test figures, "
+                       "the weights' SHA-256.")
+    x.add_argument("run_dir", help="the job's output_dir")
+    x.add_argument("--to", help="destination (default: hllm/assets/embedded-teacher)")
+    x.set_defaults(func=cmd_export_teacher)
 
     j = sub.add_parser("run", help="run the whole job (pipelines/full.py) on a local or the current Ray cluster")
     j.add_argument("--config", help="YAML config (default: configs/default.yaml)")

@@ -57,7 +57,7 @@ def test_every_shipped_config_loads(path):
 
 
 def test_a_real_model_never_inherits_the_tiny_models_sizes():
-    with pytest.raises(ConfigError, match=r"models are \['smollm2-135m'\] but .* sized for 'tiny'"):
+    with pytest.raises(ConfigError, match=r"models are \['smollm2-135m'\] but .* sized for 'embedded'"):
         load_config(JobConfig, CONFIGS[0].parent / "default.yaml", ["teacher.model.preset=smollm2-135m"])
     from pipelines.common import PipelineConfig
 

@@ -15,6 +15,19 @@ def test_item_positions_point_at_the_last_token_of_each_candidate(tiny_backbone,
         assert enc.input_ids[pos - len(doc_ids)] == tok.convert_tokens_to_ids(f"[{i}]")
 
 
+def test_compact_template_closes_each_candidate_with_its_identifier(tiny_backbone, small_splits):
+    _, tok = tiny_backbone
+    req = small_splits["test"][0]
+    enc = PromptBuilder(tok, PromptConfig(template="compact"), 512).encode(req)
+    previous = -1
+    for i, (pos, cand) in enumerate(zip(enc.item_positions, req.candidates), start=1):
+        doc_ids = tok(" " + cand.text, add_special_tokens=False)["input_ids"]
+        assert enc.input_ids[pos] == tok.convert_tokens_to_ids(f"[{i}]")  # the last token is the identifier
+        assert enc.input_ids[pos - len(doc_ids): pos] == doc_ids  # right after its text
+        assert pos - len(doc_ids) > previous  # after the previous candidate
+        previous = pos
+
+
 def test_budget_fits_the_context_and_reports_truncation(tiny_backbone):
     _, tok = tiny_backbone
     long_doc = " ".join(["red leather boots"] * 80)

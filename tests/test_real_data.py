@@ -17,7 +17,8 @@ def test_real_data_report_from_a_finished_job(shared_data, tmp_path):
     job = tmp_path / "job"
     subprocess.run([sys.executable, "-m", "hllm.workflow", "--config", str(ROOT / "configs" / "default.yaml"),
                     f"output_dir={job}", "data.source=beir", f"data.path={shared_data / 'trec-dl19-passage-bm25top100'}",
-                    "data.top_n=5", "prompt.max_doc_tokens=8", "teacher.bootstrap_cfg.unjudged_grade=0",
+                    "data.top_n=5", "prompt.max_doc_tokens=8", "sized_for=tiny", "teacher.model.preset=tiny",
+                    "teacher.bootstrap=true", "teacher.bootstrap_cfg.unjudged_grade=0",
                     "teacher.bootstrap_cfg.train.steps=2", "teacher.bootstrap_cfg.train.batch_size=2",
                     "teacher.bootstrap_cfg.train.log_every=1", "student.train.steps=2", "student.train.batch_size=2",
                     "student.head.positions=5", "eval.latency_requests=1", "eval.latency_warmup=0",

@@ -52,6 +52,19 @@ def test_bootstrap_set_targets_accept_any_item_of_the_grade(tiny_backbone, small
     assert ex.accept[-1] == [tok.eos_token_id]
 
 
+def test_bootstrap_ties_in_first_stage_order_are_one_exact_answer(tiny_backbone, small_splits):
+    _, tok = tiny_backbone
+    builder = PromptBuilder(tok, PromptConfig(template="compact"), 512)
+    reqs = small_splits["train"][:6]
+    for seed in (0, 1):  # no randomness left in the answer
+        examples = bootstrap_examples(builder, reqs, "exact", seed=seed, ties="first_stage")
+        for ex, req in zip(examples, reqs):
+            assert ex.answer_perm == sorted(range(len(req.grades)), key=lambda i: (-req.grades[i], i))
+            assert all(len(a) == 1 for a in ex.accept)  # one right token at each answer position
+    with pytest.raises(ValueError, match="ties=first_stage needs loss=exact"):
+        BootstrapConfig(ties="first_stage")
+
+
 def test_gold_permutation_ties():
     import random
     grades = [1, 3, 3, 0, 3]
