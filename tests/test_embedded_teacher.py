@@ -11,7 +11,7 @@ from hllm.evaluation import evaluate_teacher, first_stage_order, quality
 from hllm.job import JobConfig
 from hllm.models import EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256
 from hllm.ranker import RankerConfig, SinglePassRanker
-from hllm.stages import export_teacher, load_teacher
+from hllm.stages import load_teacher
 from hllm.synthetic import SyntheticConfig, generate
 from hllm.workflow import run
 from pipelines.cli import main as cli

@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GEN_JOB = [
     "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=48",
     "data.synthetic.val_slates=2", "data.synthetic.test_slates=2",
+    # the tiny preset by name: the entry point run below reads configs/default.yaml, whose teacher is the shipped one
+    "sized_for=tiny", "teacher.model.preset=tiny",
     "teacher.bootstrap=false", "teacher.model.hidden_size=32", "teacher.model.layers=1", "teacher.model.heads=2",
     "teacher.model.intermediate_size=64", "teacher.model.context_length=256",
     "teacher.generation.constrained=true", "teacher.generation.batch_size=8",
