@@ -28,7 +28,7 @@ class RerankSpec:
 
     model: str | None = None  # a student: folder, runs:/RUN_ID/student or models:/NAME@ALIAS
     teacher: str | None = None  # or a job's output folder: its AR teacher (config.json says which)
-    window: int | None = None  # None: the student head's K positions (teacher: 20)
+    window: int | None = None  # None: the student's own window (its config's, else its head's K; teacher: 20)
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
     batch_size: int = 16  # prompts per forward pass
@@ -55,7 +55,7 @@ class ShardRanker:
         if spec.model is not None:
             self.reranker = Reranker.load(spec.model, device=spec.device, batch_size=spec.batch_size,
                                           stride=spec.stride, windowing=spec.windowing)
-            self.reranker.window = spec.window or self.reranker.positions  # the default needs the loaded head's K
+            self.reranker.window = spec.window or self.reranker.default_window  # the default needs the loaded model
         else:
             self.teacher = load_job_teacher(spec)
 
@@ -65,7 +65,8 @@ class ShardRanker:
         if self.spec.model is not None:
             docs = [[document_text(c) for c in s.candidates] for s in slates]
             ranked = self.reranker.windowed_orders([s.query.text for s in slates], docs)
-            return ranked.orders, {"queries": len(slates), "windows": sum(ranked.windows), "failed": 0}
+            return ranked.orders, {"queries": len(slates), "windows": sum(ranked.windows), "failed": 0,
+                                   "unknown_tokens": sum(ranked.unknown_tokens), "shown_tokens": sum(ranked.shown_tokens)}
         rankings = self.teacher.rank(list(slates))
         orders = [r.permutation if r.permutation is not None else list(range(len(s.candidates)))
                   for s, r in zip(slates, rankings)]

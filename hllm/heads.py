@@ -5,10 +5,16 @@
   No positional embedding: rows permute with the input (the backbone already saw the order).
 - `linear`: a per-item probe to K logits; items do not see each other in the head.
 - `scalar`: one score per item (K = 1); decoders then reduce to sorting.
+
+A first-stage prior (`prior: rank`) wraps any of them: the scores are a rank prior that puts the
+n-th input item at rank n, plus the head's output as a residual scaled by a per-slate gate. The
+residual's read-out starts at zero, so an untrained head returns the input (first-stage) order
+exactly, and training moves away from it only as far as the loss pays for.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -28,10 +34,14 @@ class HeadConfig:
     width: int = 256  # attention head: model width
     num_heads: int = 4  # attention head: attention heads
     dropout: float = 0.0  # attention head: dropout while training
+    prior: Literal["none", "rank"] = "none"  # rank: first-stage rank prior + gated learned residual (hllm.heads.PRIORS)
+    prior_strength: float = 1.0  # rank prior: initial beta of -beta * (log(1 + n) - log(1 + k))^2 (learned)
 
     def __post_init__(self) -> None:
         if self.positions < 1:
             raise ValueError("head.positions (K) must be >= 1")
+        if self.prior_strength <= 0:
+            raise ValueError("head.prior_strength must be > 0")
         if self.kind == "attention" and self.width % self.num_heads:
             raise ValueError("head.width must be divisible by head.num_heads")
 
@@ -100,6 +110,11 @@ class AttentionHead(nn.Module):
         self.encoder.layers = nn.ModuleList(EncoderLayer(cfg.width, cfg.num_heads, cfg.dropout) for _ in range(cfg.layers))
         self.out = nn.Sequential(nn.LayerNorm(cfg.width), nn.Linear(cfg.width, cfg.k))
 
+    @property
+    def readout(self) -> nn.Linear:
+        """The last linear map (zeroed under a prior: the residual starts at 0)."""
+        return self.out[1]
+
     def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         x = self.proj(self.norm(items))  # (B, N, W)
         # (B, 1, 1, N): padded items are never attended to; None when no slate of the batch is padded
@@ -114,6 +129,10 @@ class LinearHead(nn.Module):
         super().__init__()
         self.net = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, cfg.k))
 
+    @property
+    def readout(self) -> nn.Linear:
+        return self.net[1]
+
     def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         return self.net(items)  # (B, N, K)
 
@@ -125,5 +144,49 @@ HEADS: dict[str, Callable[[int, HeadConfig], nn.Module]] = {
 }
 
 
+def rank_prior(n: int, k: int, device: torch.device | None = None) -> torch.Tensor:
+    """(N, K) -(log(1 + n) - log(1 + k))^2: 0 on the diagonal, the first-stage order its unique
+    optimal assignment (every other one has a negative term), and each row and column peaked where
+    input rank = output rank, more sharply near the top, where ranks matter most."""
+    f = torch.log1p(torch.arange(max(n, k), dtype=torch.float32, device=device))  # (max(N, K),)
+    return -(f[:n, None] - f[None, :k]) ** 2  # (N, K)
+
+
+class RankPriorHead(nn.Module):
+    """scores = beta * rank_prior + gate * residual: the input order until training says otherwise.
+
+    beta (the prior's sharpness) is learned, from `prior_strength`; the gate, 2 * sigmoid of a
+    linear map of the slate's mean item state, lets a slate trust the residual more or less
+    (1 at initialisation); the residual head's read-out starts at zero."""
+
+    def __init__(self, residual: nn.Module, hidden: int, cfg: HeadConfig):
+        super().__init__()
+        self.residual = residual
+        nn.init.zeros_(residual.readout.weight)
+        nn.init.zeros_(residual.readout.bias)
+        self.log_beta = nn.Parameter(torch.tensor(math.log(cfg.prior_strength)))
+        self.gate_norm = nn.LayerNorm(hidden)
+        self.gate = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.gate.bias)
+
+    def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
+        residual = self.residual(items, item_mask)  # (B, N, K)
+        b, n, k = residual.shape
+        mask = item_mask[:, :, None].to(items.dtype)  # (B, N, 1)
+        pooled = (self.gate_norm(items) * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # (B, D) mean over real items
+        gate = 2 * torch.sigmoid(self.gate(pooled))[:, :, None]  # (B, 1, 1)
+        prior = rank_prior(n, k, items.device).to(residual.dtype)  # (N, K)
+        return self.log_beta.exp().to(residual.dtype) * prior + gate * residual  # (B, N, K)
+
+
+PRIORS: dict[str, Callable[[nn.Module, int, HeadConfig], nn.Module] | None] = {
+    "none": None,  # the head's scores as they are
+    "rank": RankPriorHead,
+}
+
+
 def build_head(hidden: int, cfg: HeadConfig) -> nn.Module:
-    return HEADS[cfg.kind](hidden, cfg)
+    head = HEADS[cfg.kind](hidden, cfg)
+    wrap = PRIORS[cfg.prior]
+    return head if wrap is None else wrap(head, hidden, cfg)

@@ -74,6 +74,33 @@ class RankerConfig:
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
+    # the head reads the states after this many decoder layers (the backbone is cut there: the layers
+    # above are never run); None: all of them. A frozen LM often keeps relevance in its middle layers
+    state_layer: int | None = None
+    # the list size the model ranks in one pass by default (`Reranker.load`, `hllm rerank`); longer
+    # lists go in windows of this many. None: the head's K
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 2:
+            raise ValueError("window must be >= 2 (documents per pass), or null for the head's K")
+        if self.state_layer is not None and self.state_layer < 1:
+            raise ValueError("state_layer must be >= 1 (decoder layers kept), or null for all")
+
+
+def cut_backbone(model: nn.Module, layers: int | None) -> nn.Module:
+    """Keeps the first `layers` decoder layers of a causal LM (its final norm stays): the head then
+    reads the states after layer `layers`, and the layers above cost nothing."""
+    if layers is None:
+        return model
+    body = model.get_decoder()
+    if layers > len(body.layers):
+        raise ValueError(f"state_layer={layers} but the backbone has {len(body.layers)} decoder layers")
+    body.layers = body.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    return model
 
 
 def adapt_backbone(model: nn.Module, cfg: AdaptConfig) -> nn.Module:
@@ -102,7 +129,7 @@ class SinglePassRanker(nn.Module):
     @classmethod
     def build(cls, cfg: RankerConfig) -> "SinglePassRanker":
         model, tokenizer = load_backbone(cfg.model)
-        return cls(adapt_backbone(model, cfg.adapt), tokenizer, cfg)
+        return cls(adapt_backbone(cut_backbone(model, cfg.state_layer), cfg.adapt), tokenizer, cfg)
 
     @property
     def device(self) -> torch.device:
@@ -116,8 +143,15 @@ class SinglePassRanker(nn.Module):
                 item_mask: torch.Tensor) -> torch.Tensor:
         """(B, T) prompts, (B, N) item positions -> (B, N, K) item-position logits. The last decoder
         layer runs at the N item positions only (`hllm.item_states`): the same states, less work."""
-        items = item_hidden_states(self.body, input_ids, attention_mask, item_positions)  # (B, N, D)
-        return self.head(items.to(next(self.head.parameters()).dtype), item_mask)  # (B, N, K)
+        return self.score_states(self.item_states(input_ids, attention_mask, item_positions), item_mask)
+
+    def item_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor) -> torch.Tensor:
+        """(B, T) prompts, (B, N) item positions -> (B, N, D): what the head reads (and `hllm.state_cache` keeps)."""
+        return item_hidden_states(self.body, input_ids, attention_mask, item_positions)
+
+    def score_states(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) item states, (B, N) mask -> (B, N, K) item-position logits: the head alone."""
+        return self.head(items.to(next(self.head.parameters()).dtype), item_mask)
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:
@@ -153,6 +187,7 @@ class SinglePassRanker(nn.Module):
         if dtype:
             model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
         model, tokenizer = load_backbone(model_cfg)
+        model = cut_backbone(model, cfg.state_layer)
         if cfg.adapt.mode == "lora":
             model = PeftModel.from_pretrained(model, directory / "adapter")
             if merge_lora:

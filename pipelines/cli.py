@@ -6,6 +6,7 @@
     hllm config show [--config configs/dl19-smollm2.yaml] [key=value ...]
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
+    hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.realtext
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
 Bad input (a missing model, a malformed file, ids that do not match, a query with no candidates)
@@ -81,6 +82,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
           f"{stats['windows']} windows ({stats['windows'] / max(stats['queries'], 1):.1f} per query), "
           f"{stats['resumed_shards']} of {stats['shards']} shards resumed"
           + (f"; {stats['failed']} teacher answers without a permutation kept the first-stage order" if stats["failed"] else ""))
+    _warn_vocabulary(spec, stats, args.unknown_token_warning)
     if qrels is None:
         return 0
     first_stage = {s.slate_id: [(c.docid, 0.0) for c in s.candidates] for s in slates}  # the input order
@@ -88,6 +90,20 @@ def cmd_rerank(args: argparse.Namespace) -> int:
             ("teacher" if args.teacher else "reranked"): evaluate_run(path, qrels, args.rel)}
     _report(rows, args.json)
     return 0
+
+
+def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
+    """Once per run, as Serve does per request: the share of the shown tokens the model cannot read."""
+    from hllm.ranker import read_model_card
+    from hllm.reranker import resolve_model_uri, vocabulary_warning
+
+    if spec.model is None or not stats.get("shown_tokens"):
+        return
+    share = stats.get("unknown_tokens", 0) / stats["shown_tokens"]
+    warning = vocabulary_warning(share, read_model_card(resolve_model_uri(spec.model)).get("vocabulary"), threshold)
+    if warning:
+        print(f"warning: {warning} ({stats['unknown_tokens']} of {stats['shown_tokens']} tokens; "
+              f"threshold {threshold:.0%})", file=sys.stderr)
 
 
 def _report(rows: dict[str, dict], json_path: str | None) -> None:
@@ -152,6 +168,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_realtext(args: argparse.Namespace) -> int:
+    from hllm import realtext
+
+    realtext.main([f"--config={args.config}", *args.overrides])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hllm", description="hLLM: single-pass generative reranking.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -187,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     r.add_argument("--rel", type=int, default=2, help="MRR and recall count grade >= REL as relevant (TREC DL: 2)")
+    r.add_argument("--unknown-token-warning", type=float, default=0.1, metavar="SHARE",
+                   help="warn when more of the shown tokens than this are unknown to the student's vocabulary (as Serve)")
     r.add_argument("--json", help="also write the metrics as JSON here")
     r.add_argument("--ray", action="store_true", help="fan the shards out over a Ray Data actor pool")
     r.add_argument("--actors", type=int, default=2, help="--ray: actors (each loads the model once)")
@@ -235,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--config", help="YAML config (default: configs/default.yaml)")
     j.add_argument("overrides", nargs="*", help="key=value overrides")
     j.set_defaults(func=cmd_run)
+
+    t = sub.add_parser("realtext", help="real text across TREC years: a frozen LM's cached states, a prior head, "
+                       "cross-year folds, the shipped student (hllm.realtext)")
+    t.add_argument("--config", required=True, help="YAML config (e.g. configs/realtext/smollm2-trec-dl.yaml)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides")
+    t.set_defaults(func=cmd_realtext)
     return parser
 
 

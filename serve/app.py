@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve import Application
 
+from hllm.reranker import UNKNOWN_TOKEN_WARNING, vocabulary_warning
 from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult,
                            ResultDocument, Usage)
 
@@ -65,7 +66,7 @@ class AppArgs(BaseModel):
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
     # meta.warnings says so when more of a request's tokens than this are unknown to the model's vocabulary
-    unknown_token_warning: float = 0.1
+    unknown_token_warning: float = UNKNOWN_TOKEN_WARNING
 
 
 def _example(description: str, detail) -> dict:
@@ -251,9 +252,8 @@ class RerankDeployment:
         )
 
     def _vocabulary(self, share: float) -> dict:
-        warnings = [] if share <= self.args.unknown_token_warning else [
-            f"{share:.0%} of the query's and documents' tokens are unknown to this model's vocabulary "
-            f"({self.reranker.card.get('vocabulary', 'see /v1/models')}): its ranking of them means little"]
+        warning = vocabulary_warning(share, self.reranker.card.get("vocabulary", "see /v1/models"), self.args.unknown_token_warning)
+        warnings = [warning] if warning else []
         return {"unknown_token_share": round(share, 4), "warnings": warnings}
 
     async def _rerank_windows(self, body: RerankBody, texts: list[str], decoder: str, t0: float):

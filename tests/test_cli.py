@@ -295,3 +295,19 @@ def test_ray_actor_pool_writes_the_same_run(student, tmp_path, ray_local):
     assert main(args + ["--out", str(tmp_path / "local.trec")]) == 0
     assert main(args + ["--out", str(tmp_path / "ray.trec"), "--ray", "--actors", "2"]) == 0
     assert (tmp_path / "ray.trec").read_text() == (tmp_path / "local.trec").read_text()
+
+
+def test_rerank_warns_once_when_the_model_does_not_know_the_words(student, tmp_path, capsys):
+    data = _beir(tmp_path / "known")
+    assert main(["rerank", "--model", str(student), "--data", str(data), "--out", str(tmp_path / "a.trec"), "--quiet"]) == 0
+    assert "warning" not in capsys.readouterr().err  # the tiny vocabulary covers these words
+    unknown = _beir(tmp_path / "unknown")
+    lines = (unknown / "corpus.jsonl").read_text().splitlines()
+    (unknown / "corpus.jsonl").write_text("\n".join(
+        json.dumps({**json.loads(line), "text": "photosynthesis converts sunlight chlorophyll"}) for line in lines) + "\n")
+    assert main(["rerank", "--model", str(student), "--data", str(unknown), "--out", str(tmp_path / "b.trec"),
+                 "--shard-size", "1", "--quiet"]) == 0  # three shards: still one warning
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "unknown to this model's vocabulary" in err
+    share = float(err.split("warning: ")[1].split("%")[0])
+    assert 30 <= share <= 100

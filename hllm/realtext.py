@@ -1,0 +1,253 @@
+"""Real text, across years: a single-pass head over a frozen LM, trained on one TREC year's judged
+queries and tested on another's, then (optionally) trained on all of them and shipped.
+
+    python -m hllm.realtext --config configs/realtext-smollm2.yaml [key=value ...]
+    hllm realtext --config configs/realtext-smollm2.yaml
+
+A recipe over the library's stages: every collection's top-`top_n` list is encoded as one prompt
+(the RankGPT wording, passages cut to `prompt.max_doc_tokens`) and its item states are computed
+once by the frozen backbone, cut at `ranker.state_layer` (`hllm.state_cache`); the head (with the
+first-stage prior, `head.prior: rank`) trains on them for many steps, its step chosen on
+validation queries of the training year (`hllm.head_fit`), never on the test year. Each fold
+reports, on every query of its test collection, the first stage and the student on the same
+candidates — the whole top `top_n` reranked in one pass, as `hllm rerank` does with this model
+(its `window` is `top_n`). Means over queries, and over `seeds` (with their spread).
+
+`ship_to` trains the head once more on every judged query of `ship_on` (validation queries held
+out by the same hash) and saves it as a student folder (`Reranker.load`), checked on the
+`transfer` collections (never trained on: their hashed test split). Writes `report.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hllm.cache import fingerprint
+from hllm.config import load_config, to_dict
+from hllm.evaluation import first_stage_order, quality
+from hllm.head_fit import StateSlate, fit_head, state_orders
+from hllm.heads import HeadConfig, build_head
+from hllm.models import ModelConfig, resolve_device
+from hllm.prompts import PromptConfig
+from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
+from hllm.readers import read_slates
+from hllm.records import RerankRequest
+from hllm.splits import query_bucket
+from hllm.state_cache import cached_states, states_key
+from hllm.training import LossConfig, TrainConfig
+
+log = logging.getLogger("hllm")
+
+
+@dataclass
+class Fold:
+    """Train on these collections' judged queries, test on every judged query of those."""
+
+    train_on: list[str]  # BEIR folders (names in the report: the folder name)
+    test_on: list[str]
+
+
+@dataclass
+class RealTextConfig:
+    output_dir: str = "runs/realtext"  # cached states, report.json
+    device: str = "auto"
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    ranker: RankerConfig = field(default_factory=lambda: RankerConfig(
+        model=ModelConfig(preset="smollm2-135m", context_length=8192), adapt=AdaptConfig(mode="frozen"),
+        head=HeadConfig(positions=20, width=128, num_heads=4, prior="rank"),
+        prompt=PromptConfig(template="rankgpt", max_doc_tokens=48), state_layer=20))
+    top_n: int = 100  # first-stage candidates per query, ranked in one pass
+    folds: list[Fold] = field(default_factory=list)
+    val_fraction: float = 0.2  # of a training collection's queries, by a hash of the query id: choose the step
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=600, batch_size=8, lr=1e-3, warmup_steps=20,
+                                                                   log_every=20, weight_decay=0.01))
+    loss: LossConfig = field(default_factory=lambda: LossConfig({"graded_ce": 1.0}))
+    sample_items: int | None = None  # train on sub-slates of this many candidates (None: whole lists)
+    unjudged_grade: int = 0  # unjudged candidates train as this grade (trec_eval scores them as 0)
+    rel: int = 2  # MRR@10's relevance threshold (TREC DL: 2)
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # head initialisation and data order
+    ship_on: list[str] = field(default_factory=list)  # train the shipped head on these collections' queries
+    ship_to: str | None = None  # ... and save it here (a student folder)
+    transfer: list[str] = field(default_factory=list)  # never trained on: checked with the shipped head
+    transfer_fraction: float = 0.2  # a transfer collection's hashed test split ...
+    transfer_queries: int = 40  # ... capped at this many queries
+    shard_slates: int = 4  # slates per state shard (a crash loses at most one shard)
+
+    def __post_init__(self) -> None:
+        if self.ranker.adapt.mode != "frozen":
+            raise ValueError("ranker.adapt.mode must be frozen: the item states are computed once and cached")
+        if bool(self.ship_on) != bool(self.ship_to):
+            raise ValueError("ship_on and ship_to go together (the collections to train the shipped head on, and where)")
+        if self.transfer and not self.ship_to:
+            raise ValueError("transfer collections are checked with the shipped head: set ship_on and ship_to")
+        if not (self.folds or self.ship_on):
+            raise ValueError("nothing to do: give folds (cross-year tests) or ship_on + ship_to")
+        if not self.seeds:
+            raise ValueError("seeds: at least one")
+
+
+def collection_name(path: str) -> str:
+    return Path(path).name
+
+
+def split_by_hash(slates: list[RerankRequest], fraction: float) -> tuple[list[RerankRequest], list[RerankRequest]]:
+    """-> (queries with a hash >= fraction, the others): the same split on every machine."""
+    return [s for s in slates if query_bucket(s.slate_id) >= fraction], [s for s in slates if query_bucket(s.slate_id) < fraction]
+
+
+class Collections:
+    """Each collection's slates and cached item states, read and computed once per run."""
+
+    def __init__(self, cfg: RealTextConfig, ranker: SinglePassRanker):
+        self.cfg, self.ranker = cfg, ranker
+        self._items: dict[tuple[str, str], list[StateSlate]] = {}
+
+    def items(self, path: str, part: str = "all") -> list[StateSlate]:
+        """`all` its queries, or `transfer`: its hashed test split, capped."""
+        if (path, part) not in self._items:
+            slates = read_slates("beir", path, top_n=self.cfg.top_n)
+            if part == "transfer":
+                slates = split_by_hash(slates, self.cfg.transfer_fraction)[1][: self.cfg.transfer_queries]
+            directory = Path(self.cfg.output_dir) / "states" / f"{collection_name(path)}-{states_key(self.ranker.cfg, slates)}"
+            t0 = time.perf_counter()
+            states = cached_states(self.ranker, slates, directory, self.cfg.shard_slates, progress=lambda done, total, s: log.info(
+                "  %s: %d/%d state shards (%.0fs)", collection_name(path), done, total, s))
+            log.info("%s (%s): %d queries, states ready in %.0fs", collection_name(path), part, len(slates), time.perf_counter() - t0)
+            self._items[path, part] = [StateSlate(s, x) for s, x in zip(slates, states)]
+        return self._items[path, part]
+
+
+def fresh_head(ranker: SinglePassRanker, seed: int) -> None:
+    torch.manual_seed(seed)
+    ranker.head = build_head(ranker.body.config.hidden_size, ranker.cfg.head).to(ranker.device)
+
+
+def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfig, seed: int) -> dict[str, Any]:
+    """A new head trained on `items` (their hashed validation queries choose the step)."""
+    train, val = split_by_hash([i.slate for i in items], cfg.val_fraction)
+    ids = {s.slate_id for s in val}
+    fresh_head(ranker, seed)
+
+    def progress(step: int, row: dict) -> None:
+        if step % (cfg.train.log_every * 5) == 0 or step == cfg.train.steps:
+            log.info("    step %d loss %.4f val nDCG@10 %.4f (%.0fs)", step, row["loss"], row.get("val_nDCG@10", float("nan")), row["elapsed_s"])
+
+    out = fit_head(ranker, [i for i in items if i.slate.slate_id not in ids], [i for i in items if i.slate.slate_id in ids],
+                   dataclasses.replace(cfg.train, seed=seed), cfg.loss, cfg.rel, unjudged=cfg.unjudged_grade,
+                   sample_items=cfg.sample_items, log=progress)
+    return {"train_queries": len(items) - len(ids), "val_queries": len(ids), "best_step": out["best_step"],
+            "val_nDCG@10": out["best_val"], "val_nDCG@10_at_start": out["val_at_start"],
+            "seconds": out["history"][-1]["elapsed_s"]}
+
+
+def measure(ranker: SinglePassRanker, items: list[StateSlate], rel: int) -> dict[str, float]:
+    slates = [i.slate for i in items]
+    return quality(slates, state_orders(ranker, items), rel)
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+
+
+def _spread(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.stdev(r[key] for r in rows) if len(rows) > 1 else 0.0
+
+
+def run(cfg: RealTextConfig) -> dict[str, Any]:
+    """Every fold, then the shipped head and its transfer checks. -> the report (also report.json)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    ranker = SinglePassRanker.build(cfg.ranker).to(resolve_device(cfg.device)).eval()
+    data = Collections(cfg, ranker)
+    report: dict[str, Any] = {"config": fingerprint(cfg), "folds": [], "shipped": None, "transfer": []}
+    for fold in cfg.folds:
+        train = [i for path in fold.train_on for i in data.items(path)]
+        runs = []
+        for seed in cfg.seeds:
+            log.info("fold %s -> %s, seed %d", [collection_name(p) for p in fold.train_on],
+                     [collection_name(p) for p in fold.test_on], seed)
+            record = train_head(ranker, train, cfg, seed)
+            record["test"] = {collection_name(p): measure(ranker, data.items(p), cfg.rel) for p in fold.test_on}
+            runs.append(record)
+        for path in fold.test_on:
+            name, items = collection_name(path), data.items(path)
+            per_seed = [r["test"][name] for r in runs]
+            row = {"collection": name, "queries": len(items), "trained_on": [collection_name(p) for p in fold.train_on],
+                   "first_stage": quality([i.slate for i in items], first_stage_order([i.slate for i in items]), cfg.rel),
+                   "student": _mean(per_seed), "student_nDCG@10_sd": _spread(per_seed, "nDCG@10"),
+                   "student_per_seed": per_seed, "seeds": cfg.seeds, "training": runs}
+            log.info("fold -> %s (%d queries): first stage %.4f, student %.4f +- %.4f over %d seeds", name, len(items),
+                     row["first_stage"]["nDCG@10"], row["student"]["nDCG@10"], row["student_nDCG@10_sd"], len(cfg.seeds))
+            report["folds"].append(row)
+    if cfg.ship_to:
+        report["shipped"], report["transfer"] = ship(cfg, ranker, data)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The head trained on every `ship_on` query (seed: the first), saved to `ship_to`, checked on `transfer`."""
+    items = [i for path in cfg.ship_on for i in data.items(path)]
+    record = train_head(ranker, items, cfg, cfg.seeds[0])
+    target = Path(cfg.ship_to)
+    ranker.cfg = dataclasses.replace(ranker.cfg, window=cfg.top_n)
+    ranker.save(target)
+    transfer = []
+    for path in cfg.transfer:
+        t_items = data.items(path, "transfer")
+        slates = [i.slate for i in t_items]
+        transfer.append({"collection": collection_name(path), "queries": len(t_items),
+                         "first_stage": quality(slates, first_stage_order(slates), cfg.rel),
+                         "student": measure(ranker, t_items, cfg.rel)})
+    write_model_card(target, {
+        "base_model": f"{cfg.ranker.model.preset} (frozen, cut after decoder layer {cfg.ranker.state_layer})",
+        "teacher": "none: trained on graded relevance labels (TREC qrels), not distilled",
+        "training_data": {"collections": [collection_name(p) for p in cfg.ship_on], "top_n": cfg.top_n,
+                          "train_queries": record["train_queries"], "val_queries": record["val_queries"]},
+        "vocabulary": "the base model's", "positions": cfg.ranker.head.positions, "window": cfg.top_n,
+        "prompt": {"template": cfg.ranker.prompt.template, "max_doc_tokens": cfg.ranker.prompt.max_doc_tokens,
+                   "context_length": cfg.ranker.model.context_length},
+        "adapt": "frozen", "head": f"{cfg.ranker.head.kind} with the first-stage prior ({cfg.ranker.head.prior})",
+        "loss": cfg.loss.terms, "steps": record["best_step"], "val_nDCG@10": record["val_nDCG@10"],
+        "transfer": {t["collection"]: {"queries": t["queries"], "first_stage_nDCG@10": t["first_stage"]["nDCG@10"],
+                                       "student_nDCG@10": t["student"]["nDCG@10"]} for t in transfer},
+        "input": "candidates in first-stage order, best first: the prior reads their ranks",
+    })
+    return record, transfer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML (e.g. configs/realtext-smollm2.yaml); key=value overrides win")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    cfg = load_config(RealTextConfig, args.config, args.overrides)
+    log.info("config: %s", json.dumps(to_dict(cfg)))
+    t0 = time.perf_counter()
+    report = run(cfg)
+    for row in report["folds"]:
+        print(f"{' + '.join(row['trained_on'])} -> {row['collection']} ({row['queries']} queries): first stage "
+              f"{row['first_stage']['nDCG@10']:.4f}, student {row['student']['nDCG@10']:.4f} +- {row['student_nDCG@10_sd']:.4f} "
+              f"({len(row['seeds'])} seeds)")
+    for row in report["transfer"]:
+        print(f"shipped -> {row['collection']} ({row['queries']} queries, never trained on): first stage "
+              f"{row['first_stage']['nDCG@10']:.4f}, student {row['student']['nDCG@10']:.4f}")
+    print(f"total {time.perf_counter() - t0:.0f}s; report: {Path(cfg.output_dir) / 'report.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Item states computed once: a frozen backbone's states at every candidate, kept on disk.
+
+With a frozen backbone (`adapt.mode: frozen`) the states the head reads never change while it
+trains, so the prefill — nearly all of the cost (a 135M model: ~10 s for a 100-passage prompt on
+2 cores, the head ~1 ms) — runs once per slate instead of once per slate per epoch. The states go
+to a folder in shards (`shard-00000.safetensors`, one tensor per slate, float32 (N, D)), written
+atomically as they are computed, so an interrupted run resumes at the first missing shard.
+
+The folder is bound to one key (`states_key`): the backbone (preset, path, dtype, the weights' id),
+where it is cut (`state_layer`), the prompt config, and every slate's query, documents and order.
+A folder made under another key is refused with `StaleStates`, never read: states of another
+model, prompt or candidate list would train a head on what it will never see.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hllm.cache import fingerprint
+from hllm.models import weights_id
+from hllm.prompts import collate, document_text
+from hllm.ranker import RankerConfig, SinglePassRanker
+from hllm.records import RerankRequest
+
+KEY_FILE = "states.json"
+log = logging.getLogger("hllm")
+
+
+class StaleStates(ValueError):
+    """A state folder made for another model, prompt or set of slates."""
+
+
+def states_key(rcfg: RankerConfig, slates: Sequence[RerankRequest]) -> str:
+    """What the states depend on, and nothing else (the head and the training do not change them)."""
+    if rcfg.adapt.mode != "frozen":
+        raise ValueError(f"item states can be cached only for a frozen backbone (adapt.mode=frozen), "
+                         f"not {rcfg.adapt.mode!r}: its states change as it trains")
+    content = [(s.slate_id, s.query.text, [(c.docid, document_text(c)) for c in s.candidates]) for s in slates]
+    return fingerprint(rcfg.model, weights_id(rcfg.model), rcfg.state_layer, rcfg.prompt, content)
+
+
+def _bind(directory: Path, key: str, slates: int, shard_slates: int) -> None:
+    """Binds an empty folder to `key`; refuses one bound to another key."""
+    marker = directory / KEY_FILE
+    if marker.is_file():
+        bound = json.loads(marker.read_text())
+        if bound["key"] != key or bound["shard_slates"] != shard_slates:
+            raise StaleStates(f"{directory} holds item states for key {bound['key']} (shards of {bound['shard_slates']}), "
+                              f"not {key} (shards of {shard_slates}): another model, prompt or slate list; "
+                              f"use another folder or delete this one")
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"key": key, "slates": slates, "shard_slates": shard_slates}))
+
+
+def _shard(directory: Path, index: int) -> Path:
+    return directory / f"shard-{index:05d}.safetensors"
+
+
+@torch.inference_mode()
+def compute_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], batch_size: int = 1) -> list[torch.Tensor]:
+    """Per slate, its (N, D) float32 item states (one prefill per `batch_size` slates, no head)."""
+    out: list[torch.Tensor] = []
+    for start in range(0, len(slates), batch_size):
+        chunk = slates[start: start + batch_size]
+        batch = collate([ranker.prompts.encode(s, with_answer=False) for s in chunk], ranker.tokenizer.pad_token_id)
+        batch = {k: v.to(ranker.device) for k, v in batch.items()}
+        states = ranker.item_states(batch["input_ids"], batch["attention_mask"], batch["item_positions"])  # (B, N, D)
+        out += [states[row, : len(s.candidates)].float().cpu() for row, s in enumerate(chunk)]
+    return out
+
+
+def cached_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], directory: str | Path,
+                  shard_slates: int = 8, batch_size: int = 1,
+                  progress: Callable[[int, int, float], None] | None = None) -> list[torch.Tensor]:
+    """-> per slate its (N, D) item states: read from `directory` where computed before under the
+    same key, computed (and written shard by shard) where missing. Raises `StaleStates` for a
+    folder of another key. `progress(done, total, seconds)` after each shard computed."""
+    directory = Path(directory)
+    key = states_key(ranker.cfg, slates)
+    _bind(directory, key, len(slates), shard_slates)
+    starts = range(0, len(slates), shard_slates)
+    missing = [i for i, _ in enumerate(starts) if not _shard(directory, i).is_file()]
+    if missing:
+        log.info("item states: %d slates in %d shards, %d to compute (%s)", len(slates), len(starts), len(missing), directory)
+    t0 = time.perf_counter()
+    for done, index in enumerate(missing, start=1):
+        chunk = slates[index * shard_slates: (index + 1) * shard_slates]
+        states = compute_states(ranker, chunk, batch_size)
+        tmp = directory / f".tmp-{os.getpid()}-{index}.safetensors"
+        save_file({str(row): s.contiguous() for row, s in enumerate(states)}, tmp)
+        os.replace(tmp, _shard(directory, index))  # atomic: a shard is whole or absent
+        if progress:
+            progress(done, len(missing), time.perf_counter() - t0)
+    out: list[torch.Tensor] = []
+    for index, start in enumerate(starts):
+        shard = load_file(_shard(directory, index))
+        out += [shard[str(row)] for row in range(len(slates[start: start + shard_slates]))]
+    for s, states in zip(slates, out):
+        if states.shape[0] != len(s.candidates):
+            raise StaleStates(f"{directory}: slate {s.slate_id} has {len(s.candidates)} candidates but "
+                              f"{states.shape[0]} cached states")
+    return out
