@@ -111,10 +111,11 @@ def _batches(items: list[StateSlate], cfg: TrainConfig, sample_items: int | None
 
 def fit_head(ranker: SinglePassRanker, train: list[StateSlate], val: list[StateSlate], cfg: TrainConfig,
              loss: LossConfig, rel: int, *, unjudged: int | None = 0, sample_items: int | None = None,
-             select_metric: str = "nDCG@10", decoder: str = "hungarian",
+             select_metric: str = "nDCG@10", decoder: str = "hungarian", stop_at: int | None = None,
              log: Callable[[int, dict], None] | None = None) -> dict:
     """Trains `ranker.head` (the backbone is not touched) and keeps the head of the step with the best
-    `select_metric` on `val`. -> {"history", "best_step", "best_val", "val_at_start"}."""
+    `select_metric` on `val` (with no `val`: the last step; `stop_at` ends the run at that step of the
+    schedule, e.g. one chosen by cross-validation). -> {"history", "best_step", "best_val", "val_at_start"}."""
     if not train:
         raise ValueError("no training slates")
     torch.manual_seed(cfg.seed)
@@ -146,9 +147,13 @@ def fit_head(ranker: SinglePassRanker, train: list[StateSlate], val: list[StateS
         return row
 
     ranker.head.train()
+    if stop_at == 0:  # the untrained head: the input order
+        ranker.eval()
+        return {"history": [], "best_step": 0, "best_val": start.get(f"val_{select_metric}"), "val_at_start": start.get(f"val_{select_metric}")}
     history = train_loop(loss_fn, _batches(train, cfg, sample_items),
                          TorchOptimizer([(list(ranker.head.parameters()), cfg.head_lr or cfg.lr)], cfg),
-                         cfg, ranker.device.type, validate=keep_best if val else None, log=log)
+                         cfg, ranker.device.type, validate=keep_best if val else None, log=log,
+                         agree=lambda stop: stop or (stop_at is not None and step["n"] >= stop_at))
     if val:
         ranker.head.load_state_dict(best["state"])
     ranker.eval()

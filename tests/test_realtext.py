@@ -20,7 +20,7 @@ REALTEXT_CONFIGS = sorted((ROOT / "configs" / "realtext").glob("*.yaml"))
 
 def tiny_config(tmp_path: Path, **extra) -> RealTextConfig:
     a, b, c = (_beir(tmp_path / name, queries=4, docs=10) for name in ("a", "b", "c"))
-    overrides = [f"output_dir={tmp_path / 'run'}", "top_n=10", "seeds=[0, 1]", "val_fraction=0.3",
+    overrides = [f"output_dir={tmp_path / 'run'}", "top_n=10", "seeds=[0, 1]", "val_fraction=0.3", "cv_folds=0",
                  "ranker.state_layer=1", "ranker.adapt.mode=frozen", "ranker.head.prior=rank", "ranker.prompt.max_doc_tokens=8", "ranker.head.positions=4",
                  "ranker.head.width=32", "ranker.head.num_heads=2", "train.steps=12", "train.batch_size=2",
                  "train.log_every=4", "train.warmup_steps=2", f"folds=[{{train_on: [{a}], test_on: [{b}]}}]",
@@ -57,6 +57,22 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
     stamps = [p.stat().st_mtime_ns for p in states]
     run(cfg)
     assert [p.stat().st_mtime_ns for p in states] == stamps
+
+
+def test_cross_validation_chooses_the_step_and_trains_on_every_query(tmp_path):
+    from hllm.realtext import Collections, train_head
+    from hllm.ranker import SinglePassRanker
+
+    cfg = tiny_config(tmp_path, cv_folds=3)
+    ranker = SinglePassRanker.build(cfg.ranker).eval()
+    items = Collections(cfg, ranker).items(str(tmp_path / "a")) + Collections(cfg, ranker).items(str(tmp_path / "b"))
+    record = train_head(ranker, items, cfg, seed=0)
+    curve = record["cv_curve"]
+    assert sorted(curve) == [0, 4, 8, 12] and record["best_step"] in curve
+    assert record["val_nDCG@10"] == max(curve.values()) and record["val_nDCG@10_at_start"] == curve[0]
+    assert record["train_queries"] == 8 and record["val_queries"] == 0
+    with pytest.raises(ValueError, match="at least 2 of its"):
+        train_head(ranker, items[:1], cfg, seed=0)
 
 
 @pytest.mark.parametrize("overrides,match", [
