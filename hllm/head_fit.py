@@ -15,6 +15,7 @@ the head's input, not new prefills.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -159,3 +160,32 @@ def fit_head(ranker: SinglePassRanker, train: list[StateSlate], val: list[StateS
     ranker.eval()
     return {"history": history, "best_step": best["step"] if val else len(history),
             "best_val": best["value"] if val else None, "val_at_start": start.get(f"val_{select_metric}")}
+
+
+def ridge_utility(items: Sequence[StateSlate], lam: float, unjudged: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The closed-form fit of a linear probe: ridge regression from each item's state to its grade
+    over every item of `items` (features standardised, L2 weight `lam`). -> (w (D,), b ()), the
+    standardisation folded in, for a `utility` head's linear map."""
+    x = torch.cat([i.states for i in items]).double()  # (M, D)
+    y = torch.tensor([g for i in items for g in i.grades(unjudged)], dtype=torch.float64)  # (M,)
+    if (y < 0).any():
+        raise ValueError("ridge_utility needs every item graded (set unjudged)")
+    mu, sd = x.mean(0), x.std(0) + 1e-6  # (D,) each
+    xn = (x - mu) / sd  # (M, D)
+    w = torch.linalg.solve(xn.T @ xn + lam * torch.eye(x.shape[1], dtype=x.dtype), xn.T @ (y - y.mean()))  # (D,)
+    w = w / sd
+    return w.float(), -(w @ mu).float()
+
+
+@torch.no_grad()
+def set_utility(ranker: SinglePassRanker, w: torch.Tensor, b: torch.Tensor, prior_scale: float) -> None:
+    """Loads a probe into a `utility` head under the `logrank` prior: the ranking is then by
+    z(u) - prior_scale * log(1 + first-stage rank), the gate at 1."""
+    head = ranker.head
+    if ranker.cfg.head.kind != "utility" or ranker.cfg.head.prior != "logrank":
+        raise ValueError("a closed-form probe needs head.kind=utility and head.prior=logrank")
+    head.residual.net.weight.copy_(w[None, :])
+    head.residual.net.bias.copy_(b.reshape(1))
+    head.log_beta.fill_(math.log(prior_scale))
+    head.gate.weight.zero_()
+    head.gate.bias.zero_()

@@ -5,6 +5,9 @@
   No positional embedding: rows permute with the input (the backbone already saw the order).
 - `linear`: a per-item probe to K logits; items do not see each other in the head.
 - `scalar`: one score per item (K = 1); decoders then reduce to sorting.
+- `utility`: one score u_n per item, spread over K positions by the DCG discount,
+  u_n / log2(k + 2): alone it sorts by u (rearrangement), under a prior the assignment trades the
+  prior against u. A probe with K-fold fewer read-out weights than `linear`, for few queries.
 
 A first-stage prior (`prior: rank`) wraps any of them: the scores are a rank prior that puts the
 n-th input item at rank n, plus the head's output as a residual scaled by a per-slate gate. The
@@ -28,13 +31,13 @@ from torch.nn import functional as F
 class HeadConfig:
     """The single-pass head."""
 
-    kind: Literal["attention", "linear", "scalar"] = "attention"  # attention: the paper's; linear / scalar: ablations
+    kind: Literal["attention", "linear", "scalar", "utility"] = "attention"  # attention: the paper's; others: ablations
     positions: int = 20  # K; use the slate size N for K = N, fewer for a rectangular top-K head
     layers: int = 2  # attention head: encoder layers
     width: int = 256  # attention head: model width
     num_heads: int = 4  # attention head: attention heads
     dropout: float = 0.0  # attention head: dropout while training
-    prior: Literal["none", "rank"] = "none"  # rank: first-stage rank prior + gated learned residual (hllm.heads.PRIORS)
+    prior: Literal["none", "rank", "logrank"] = "none"  # first-stage rank prior + gated learned residual (hllm.heads.PRIORS)
     prior_strength: float = 1.0  # rank prior: initial beta of -beta * (log(1 + n) - log(1 + k))^2 (learned)
 
     def __post_init__(self) -> None:
@@ -137,11 +140,48 @@ class LinearHead(nn.Module):
         return self.net(items)  # (B, N, K)
 
 
+class UtilityHead(nn.Module):
+    """u_n = w . x_n + b, standardised within the slate (over its real items), spread over K positions
+    by the DCG discount: (B, N, K) = z(u) (B, N, 1) * 1 / log2(k + 2) (K,). A linear probe: the
+    closed-form (ridge) fit of `hllm.head_fit.ridge_utility` sets w and b directly."""
+
+    def __init__(self, hidden: int, cfg: HeadConfig):
+        super().__init__()
+        self.net = nn.Linear(hidden, 1)
+        self.register_buffer("discount", dcg_discount(cfg.k), persistent=False)
+
+    @property
+    def readout(self) -> nn.Linear:
+        return self.net
+
+    def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
+        u = self.net(items)  # (B, N, 1)
+        mask = item_mask[:, :, None].to(u.dtype)  # (B, N, 1)
+        count = mask.sum(1, keepdim=True).clamp_min(1.0)  # (B, 1, 1)
+        mean = (u * mask).sum(1, keepdim=True) / count
+        std = (((u - mean) * mask) ** 2).sum(1, keepdim=True).div(count).sqrt()  # (B, 1, 1)
+        return (u - mean) / (std + 1e-6) * self.discount.to(u.dtype)  # (B, N, K)
+
+
+def dcg_discount(k: int, device: torch.device | None = None) -> torch.Tensor:
+    """(K,) 1 / log2(k + 2): DCG's weight of rank k (0-based)."""
+    return 1.0 / torch.log2(torch.arange(k, dtype=torch.float32, device=device) + 2.0)
+
+
 HEADS: dict[str, Callable[[int, HeadConfig], nn.Module]] = {
     "attention": AttentionHead,
     "linear": LinearHead,
     "scalar": LinearHead,  # K = 1 via HeadConfig.k
+    "utility": UtilityHead,
 }
+
+
+def logrank_prior(n: int, k: int, device: torch.device | None = None) -> torch.Tensor:
+    """(N, K) -log(1 + n) / log2(k + 2): a first-stage score of -log(1 + rank) spread by the DCG
+    discount, so that beta * prior + z(u) * discount assigns by -beta log(1 + rank) + z(u) (a fusion
+    of the first-stage rank and the head's utility). The input order is its unique optimum
+    (rearrangement: both factors strictly monotone)."""
+    return -torch.log1p(torch.arange(n, dtype=torch.float32, device=device))[:, None] * dcg_discount(k, device)[None, :]
 
 
 def rank_prior(n: int, k: int, device: torch.device | None = None) -> torch.Tensor:
@@ -153,7 +193,7 @@ def rank_prior(n: int, k: int, device: torch.device | None = None) -> torch.Tens
 
 
 class RankPriorHead(nn.Module):
-    """scores = beta * rank_prior + gate * residual: the input order until training says otherwise.
+    """scores = beta * prior + gate * residual: the input order until training says otherwise.
 
     beta (the prior's sharpness) is learned, from `prior_strength`; the gate, 2 * sigmoid of a
     linear map of the slate's mean item state, lets a slate trust the residual more or less
@@ -161,6 +201,7 @@ class RankPriorHead(nn.Module):
 
     def __init__(self, residual: nn.Module, hidden: int, cfg: HeadConfig):
         super().__init__()
+        self.kind = cfg.prior
         self.residual = residual
         nn.init.zeros_(residual.readout.weight)
         nn.init.zeros_(residual.readout.bias)
@@ -176,13 +217,15 @@ class RankPriorHead(nn.Module):
         mask = item_mask[:, :, None].to(items.dtype)  # (B, N, 1)
         pooled = (self.gate_norm(items) * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # (B, D) mean over real items
         gate = 2 * torch.sigmoid(self.gate(pooled))[:, :, None]  # (B, 1, 1)
-        prior = rank_prior(n, k, items.device).to(residual.dtype)  # (N, K)
+        prior = PRIOR_MATRICES[self.kind](n, k, items.device).to(residual.dtype)  # (N, K)
         return self.log_beta.exp().to(residual.dtype) * prior + gate * residual  # (B, N, K)
 
 
+PRIOR_MATRICES: dict[str, Callable[..., torch.Tensor]] = {"rank": rank_prior, "logrank": logrank_prior}
 PRIORS: dict[str, Callable[[nn.Module, int, HeadConfig], nn.Module] | None] = {
     "none": None,  # the head's scores as they are
-    "rank": RankPriorHead,
+    "rank": RankPriorHead,  # -beta (log(1 + n) - log(1 + k))^2: any head
+    "logrank": RankPriorHead,  # -beta log(1 + n) / log2(k + 2): the fusion form, for the utility head
 }
 
 

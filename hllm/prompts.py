@@ -37,6 +37,10 @@ class Template:
     prefix: str  # before the candidates; {num} and {query} are filled in
     suffix: str  # after the candidates
     label_after: bool = False  # each candidate's identifier follows its text ("text [3]") instead of preceding it
+    # restated after each candidate's text (e.g. " Query: {query}"): that candidate's last token, where the
+    # single-pass head reads, then follows the passage *and* the query, which a causal model otherwise saw
+    # only thousands of tokens earlier; None: not restated
+    item_query: str | None = None
 
 
 TEMPLATES = {
@@ -48,6 +52,10 @@ TEMPLATES = {
     # the bootstrap's budget, where `[3] text` left its answer at the first stage's level (README)
     "compact": Template("Query: {query}\n", "Rank the {num} passages above by relevance to the query: {query}.",
                         label_after=True),
+    # RankGPT's wording with the query restated after every passage: for a frozen LM read at each passage's
+    # last token (a probe of SmolLM2's layer-20 states on TREC DL19, 5-fold CV over queries, top 100: 0.530
+    # nDCG@10 with the restated query, 0.415 without; BM25 0.506; README "Real text")
+    "rankgpt-query": Template(PREFIX, SUFFIX, item_query=" Query: {query}"),
 }
 
 
@@ -60,7 +68,7 @@ def template_text() -> str:
 class PromptConfig:
     """How slates become prompts."""
 
-    template: Literal["rankgpt", "compact"] = "rankgpt"  # prompt wording (hllm.prompts.TEMPLATES)
+    template: Literal["rankgpt", "compact", "rankgpt-query"] = "rankgpt"  # prompt wording (hllm.prompts.TEMPLATES)
     max_doc_tokens: int = 96  # per-candidate cap, before the context budget is applied
     max_query_tokens: int = 48  # longer queries are cut (and counted)
     use_chat_template: bool = True  # when the tokenizer has one
@@ -122,9 +130,9 @@ class PromptBuilder:
             self._id_tokens[i] = _ids(self.tokenizer, f"[{i}]")
         return self._id_tokens[i]
 
-    def doc_budget(self, n: int, fixed: int, with_answer: bool) -> int:
+    def doc_budget(self, n: int, fixed: int, with_answer: bool, per_item_extra: int = 0) -> int:
         reserve = answer_reserve(self.tokenizer, n) if with_answer else 0
-        per_item = (self.context_length - fixed - reserve) // n - len(self.id_tokens(n)) - len(self._newline)
+        per_item = (self.context_length - fixed - reserve) // n - len(self.id_tokens(n)) - len(self._newline) - per_item_extra
         if per_item < 1:
             raise PromptTooLong(
                 f"{n} candidates do not fit a context of {self.context_length} tokens "
@@ -152,7 +160,8 @@ class PromptBuilder:
         template = TEMPLATES[self.cfg.template]
         head = self._before + _ids(self.tokenizer, template.prefix.format(num=n, query=query))
         tail = _ids(self.tokenizer, template.suffix.format(num=n, query=query)) + self._after
-        budget = self.doc_budget(n, len(head) + len(tail), with_answer)
+        restated = _ids(self.tokenizer, template.item_query.format(query=query)) if template.item_query else []
+        budget = self.doc_budget(n, len(head) + len(tail), with_answer, len(restated))
         if max_doc_tokens is not None:
             budget = min(budget, max_doc_tokens)
         docs = self.tokenizer([" " + d for d in documents], add_special_tokens=False)["input_ids"]
@@ -160,6 +169,7 @@ class PromptBuilder:
         for i, doc in enumerate(docs, start=1):
             cut += len(doc) > budget
             ids += doc[:budget] + self.id_tokens(i) if template.label_after else self.id_tokens(i) + doc[:budget]
+            ids += restated
             positions.append(len(ids) - 1)
             ids += self._newline
         shown = query_ids[: self.cfg.max_query_tokens], *(doc[:budget] for doc in docs)  # the query's and documents' tokens

@@ -28,16 +28,16 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from hllm.cache import fingerprint
 from hllm.config import load_config, to_dict
 from hllm.evaluation import first_stage_order, quality
-from hllm.head_fit import StateSlate, fit_head, state_orders
+from hllm.head_fit import StateSlate, fit_head, ridge_utility, set_utility, state_orders
 from hllm.heads import HeadConfig, build_head
-from hllm.models import ModelConfig, resolve_device
+from hllm.models import PROVENANCE, ModelConfig, file_sha256, resolve_device, smollm2_gguf_path, weights_dir
 from hllm.prompts import PromptConfig
 from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
 from hllm.readers import read_slates
@@ -72,6 +72,12 @@ class RealTextConfig:
     # (cv_folds >= 2; then one head on all of them), or one validation split of val_fraction (by a hash)
     cv_folds: int = 5
     val_fraction: float = 0.2
+    # how the head is fitted: sgd (train_loop on the loss; the step chosen as above) or ridge (a `utility`
+    # head under the `logrank` prior set in closed form: ridge regression of the grade on the state, its
+    # L2 weight and the prior's scale chosen by cross-validation over the grids below)
+    fit: Literal["sgd", "ridge"] = "sgd"
+    ridge_lambdas: list[float] = field(default_factory=lambda: [100.0, 1000.0, 10000.0])
+    prior_scales: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0, 3.0])
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=600, batch_size=8, lr=1e-3, warmup_steps=20,
                                                                    log_every=20, weight_decay=0.01))
     loss: LossConfig = field(default_factory=lambda: LossConfig({"graded_ce": 1.0}))
@@ -97,6 +103,13 @@ class RealTextConfig:
             raise ValueError("nothing to do: give folds (cross-year tests) or ship_on + ship_to")
         if not self.seeds:
             raise ValueError("seeds: at least one")
+        if self.fit == "ridge":
+            head = self.ranker.head
+            if head.kind != "utility" or head.prior != "logrank":
+                raise ValueError(f"fit=ridge sets a utility head under the logrank prior in closed form; "
+                                 f"got ranker.head.kind={head.kind!r}, ranker.head.prior={head.prior!r}")
+            if self.cv_folds < 2:
+                raise ValueError("fit=ridge chooses its L2 weight and prior scale by cross-validation: cv_folds >= 2")
 
 
 def collection_name(path: str) -> str:
@@ -140,6 +153,8 @@ def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextC
     `cv_folds`-fold cross-validation (the step with the best mean held-out nDCG@10 over the folds,
     then one head trained on all of them up to that step of the same schedule), or by one hashed
     validation split (`cv_folds` < 2)."""
+    if cfg.fit == "ridge":
+        return _ridge(ranker, items, cfg)
     if cfg.cv_folds >= 2:
         return _cross_validated(ranker, items, cfg, seed)
     train, val = split_by_hash([i.slate for i in items], cfg.val_fraction)
@@ -159,19 +174,13 @@ def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextC
 
 
 def _cross_validated(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfig, seed: int) -> dict[str, Any]:
-    fold_of = {i.slate.slate_id: min(int(query_bucket(i.slate.slate_id) * cfg.cv_folds), cfg.cv_folds - 1) for i in items}
     curves = []  # per fold: {step: held-out nDCG@10}
     t0 = time.perf_counter()
     train_cfg = dataclasses.replace(cfg.train, seed=seed)
-    folds = sorted(set(fold_of.values()))  # folds that hold queries
-    if len(folds) < 2:
-        raise ValueError(f"cross-validation needs queries in at least 2 of its {cfg.cv_folds} folds; "
-                         f"{len(items)} queries fill {len(folds)}")
-    for fold in folds:
+    for train, held in _folds(items, cfg.cv_folds):
         fresh_head(ranker, seed)
-        held = [i for i in items if fold_of[i.slate.slate_id] == fold]
-        out = fit_head(ranker, [i for i in items if fold_of[i.slate.slate_id] != fold], held, train_cfg, cfg.loss, cfg.rel,
-                       unjudged=cfg.unjudged_grade, sample_items=cfg.sample_items)
+        out = fit_head(ranker, train, held, train_cfg, cfg.loss, cfg.rel, unjudged=cfg.unjudged_grade,
+                       sample_items=cfg.sample_items)
         curves.append({0: out["val_at_start"], **{r["step"]: r["val_nDCG@10"] for r in out["history"] if "val_nDCG@10" in r}})
     steps = sorted(set.intersection(*(set(c) for c in curves)))
     mean = {s: statistics.fmean(c[s] for c in curves) for s in steps}
@@ -184,6 +193,39 @@ def _cross_validated(ranker: SinglePassRanker, items: list[StateSlate], cfg: Rea
     return {"train_queries": len(items), "val_queries": 0, "cv_folds": cfg.cv_folds, "best_step": best,
             "val_nDCG@10": mean[best], "val_nDCG@10_at_start": mean[0], "cv_curve": mean,
             "seconds": time.perf_counter() - t0}
+
+
+def _folds(items: list[StateSlate], k: int) -> list[tuple[list[StateSlate], list[StateSlate]]]:
+    """k (train, held-out) splits of the queries by a hash of their id (empty folds left out)."""
+    fold_of = {i.slate.slate_id: min(int(query_bucket(i.slate.slate_id) * k), k - 1) for i in items}
+    folds = sorted(set(fold_of.values()))
+    if len(folds) < 2:
+        raise ValueError(f"cross-validation needs queries in at least 2 of its {k} folds; {len(items)} queries fill {len(folds)}")
+    return [([i for i in items if fold_of[i.slate.slate_id] != f], [i for i in items if fold_of[i.slate.slate_id] == f])
+            for f in folds]
+
+
+def _ridge(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfig) -> dict[str, Any]:
+    """The closed-form probe: (L2 weight, prior scale) by k-fold CV, then fitted on every query."""
+    t0 = time.perf_counter()
+    fresh_head(ranker, 0)
+    grid: dict[tuple[float, float], list[float]] = {}
+    for train, held in _folds(items, cfg.cv_folds):
+        for lam in cfg.ridge_lambdas:
+            w, b = ridge_utility(train, lam, cfg.unjudged_grade)
+            for scale in cfg.prior_scales:
+                set_utility(ranker, w, b, scale)
+                grid.setdefault((lam, scale), []).append(measure(ranker, held, cfg.rel)["nDCG@10"])
+    mean = {k: statistics.fmean(v) for k, v in grid.items()}
+    lam, scale = max(mean, key=lambda k: (round(mean[k], 6), k[0], k[1]))  # ties: more shrinkage, more prior
+    set_utility(ranker, *ridge_utility(items, lam, cfg.unjudged_grade), scale)
+    untrained = statistics.fmean(quality([i.slate for i in held], first_stage_order([i.slate for i in held]), cfg.rel)["nDCG@10"]
+                                 for _, held in _folds(items, cfg.cv_folds))
+    log.info("    ridge probe: L2 %g, prior scale %g kept by %d-fold CV over %d queries (held-out nDCG@10 %.4f, first stage %.4f)",
+             lam, scale, cfg.cv_folds, len(items), mean[lam, scale], untrained)
+    return {"train_queries": len(items), "val_queries": 0, "cv_folds": cfg.cv_folds, "best_step": 0, "ridge_lambda": lam,
+            "prior_scale": scale, "val_nDCG@10": mean[lam, scale], "val_nDCG@10_at_start": untrained,
+            "cv_grid": {f"{k[0]:g}/{k[1]:g}": v for k, v in mean.items()}, "seconds": time.perf_counter() - t0}
 
 
 def measure(ranker: SinglePassRanker, items: list[StateSlate], rel: int) -> dict[str, float]:
@@ -257,12 +299,34 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
         "prompt": {"template": cfg.ranker.prompt.template, "max_doc_tokens": cfg.ranker.prompt.max_doc_tokens,
                    "context_length": cfg.ranker.model.context_length},
         "adapt": "frozen", "head": f"{cfg.ranker.head.kind} with the first-stage prior ({cfg.ranker.head.prior})",
-        "loss": cfg.loss.terms, "steps": record["best_step"], "val_nDCG@10": record["val_nDCG@10"],
+        "fit": ({"method": "ridge probe (closed form)", "l2": record["ridge_lambda"], "prior_scale": record["prior_scale"]}
+                if cfg.fit == "ridge" else {"method": "sgd", "loss": cfg.loss.terms, "steps": record["best_step"]}),
+        "cv_nDCG@10": record["val_nDCG@10"], "cv_first_stage_nDCG@10": record["val_nDCG@10_at_start"],
         "transfer": {t["collection"]: {"queries": t["queries"], "first_stage_nDCG@10": t["first_stage"]["nDCG@10"],
                                        "student_nDCG@10": t["student"]["nDCG@10"]} for t in transfer},
         "input": "candidates in first-stage order, best first: the prior reads their ranks",
     })
+    write_provenance(cfg, target, record, transfer)
     return record, transfer
+
+
+def write_provenance(cfg: RealTextConfig, target: Path, record: dict[str, Any], transfer: list[dict[str, Any]]) -> None:
+    """What made the shipped student and what it was measured at, with the hashes of its own weights
+    and of the base model file it needs."""
+    base = weights_dir(cfg.ranker.model) or (smollm2_gguf_path() if cfg.ranker.model.preset == "smollm2-135m" else None)
+    base_file = base if base is not None and base.is_file() else None
+    provenance = {
+        "made_by": "python -m hllm.realtext --config <the recipe below>",
+        "recipe": to_dict(cfg),
+        "fit": {k: v for k, v in record.items() if k != "cv_grid"},
+        "transfer": [{"collection": t["collection"], "queries": t["queries"], "first_stage_nDCG@10": t["first_stage"]["nDCG@10"],
+                      "student_nDCG@10": t["student"]["nDCG@10"]} for t in transfer],
+        "sha256": {f.name: file_sha256(f) for f in sorted(target.iterdir()) if f.suffix in (".safetensors", ".json")
+                   and f.name not in (PROVENANCE, "model_card.json")},
+        "base_model": {"preset": cfg.ranker.model.preset, "file": base_file.name if base_file else None,
+                       "sha256": file_sha256(base_file) if base_file else None},
+    }
+    (target / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,16 +24,18 @@ def build(prior="rank", kind="attention", k=8, mode="frozen", layer=None):
     return SinglePassRanker.build(cfg).eval()
 
 
-@pytest.mark.parametrize("kind,k", [("attention", 8), ("attention", 3), ("linear", 8), ("scalar", 8)])
+@pytest.mark.parametrize("prior,kind,k", [("rank", "attention", 8), ("rank", "attention", 3), ("rank", "linear", 8),
+                                          ("rank", "scalar", 8), ("logrank", "utility", 8), ("logrank", "utility", 3),
+                                          ("logrank", "attention", 8)])
 @pytest.mark.parametrize("decoder", sorted(DECODERS))
-def test_an_untrained_prior_head_returns_the_input_order_exactly(kind, k, decoder, small_splits):
-    reranker = Reranker(build(kind=kind, k=k), decoder=decoder)
+def test_an_untrained_prior_head_returns_the_input_order_exactly(prior, kind, k, decoder, small_splits):
+    reranker = Reranker(build(prior=prior, kind=kind, k=k), decoder=decoder)
     slates = copy.deepcopy(small_splits["test"][:4])
     slates[1].candidates = slates[1].candidates[:5]  # padded in the batch
     for slate, matrix in zip(slates, reranker.score_slates(slates)):
         assert reranker.decode(matrix).permutation.tolist() == list(range(len(slate.candidates)))
     long = [f"document {i}" for i in range(30)]  # N > K, and windows: still the input order
-    assert [d.index for d in Reranker(build(kind=kind, k=k), window=8, stride=4).rank("q", long)] == list(range(30))
+    assert [d.index for d in Reranker(build(prior=prior, kind=kind, k=k), window=8, stride=4).rank("q", long)] == list(range(30))
 
 
 def test_the_rank_prior_has_the_input_order_as_its_unique_optimum():

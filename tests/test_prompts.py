@@ -62,3 +62,18 @@ def test_chat_template_frames_the_user_turn(tiny_backbone, small_splits):
     text = tok.decode(enc.input_ids)
     assert text.startswith("<s> system :") and text.rstrip().endswith("<s> assistant :")
     assert "i will provide you with 8 passages" in text
+
+
+def test_rankgpt_query_restates_the_query_after_each_passage_and_reads_there(tiny_backbone, small_splits):
+    _, tok = tiny_backbone
+    req = small_splits["test"][0]
+    enc = PromptBuilder(tok, PromptConfig(template="rankgpt-query"), 512).encode(req)
+    restated = tok(f" Query: {req.query.text}", add_special_tokens=False)["input_ids"]
+    plain = PromptBuilder(tok, PromptConfig(template="rankgpt"), 512).encode(req)
+    for i, (pos, cand) in enumerate(zip(enc.item_positions, req.candidates), start=1):
+        assert enc.input_ids[pos + 1 - len(restated): pos + 1] == restated  # the item's last token ends the query
+    assert len(enc.input_ids) == len(plain.input_ids) + len(req.candidates) * len(restated)
+    long_doc = " ".join(["red leather boots"] * 80)
+    crowded = RerankRequest(Query("q", "red boots"), [Candidate(str(i), long_doc) for i in range(20)])
+    fitted = PromptBuilder(tok, PromptConfig(template="rankgpt-query", max_doc_tokens=500), 512).encode(crowded, with_answer=True)
+    assert len(fitted.input_ids) + 41 <= 512  # the restated queries come out of the passages' budget

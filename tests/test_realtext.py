@@ -31,19 +31,26 @@ def tiny_config(tmp_path: Path, **extra) -> RealTextConfig:
     return cfg
 
 
-def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_path, capsys):
-    cfg = tiny_config(tmp_path)
+RIDGE = {"fit": "ridge", "cv_folds": 2, "ranker.head.kind": "utility", "ranker.head.prior": "logrank", "seeds": "[0]"}
+
+
+@pytest.mark.parametrize("fit", ["sgd", "ridge"])
+def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_path, capsys, fit):
+    cfg = tiny_config(tmp_path, **(RIDGE if fit == "ridge" else {}))
     report = run(cfg)
     (fold,) = report["folds"]
     assert fold["collection"] == "b" and fold["trained_on"] == ["a"] and fold["queries"] == 4
-    assert len(fold["student_per_seed"]) == 2 and 0 <= fold["student"]["nDCG@10"] <= 1
+    assert len(fold["student_per_seed"]) == len(cfg.seeds) and 0 <= fold["student"]["nDCG@10"] <= 1
     for t in fold["training"]:
-        assert t["train_queries"] + t["val_queries"] == 4 and t["val_nDCG@10"] >= t["val_nDCG@10_at_start"]
+        assert t["train_queries"] + t["val_queries"] == 4
+        assert t["val_nDCG@10"] >= t["val_nDCG@10_at_start"] or fit == "ridge"  # CV over (l2, scale): none is the first stage
     assert json.loads((tmp_path / "run" / "report.json").read_text())["folds"][0]["queries"] == 4
     (transfer,) = report["transfer"]
     shipped = Reranker.load(tmp_path / "shipped")
     assert shipped.default_window == 10 and len(shipped.model.body.layers) == 1
     assert json.loads((tmp_path / "shipped" / "model_card.json").read_text())["window"] == 10
+    provenance = json.loads((tmp_path / "shipped" / "provenance.json").read_text())
+    assert set(provenance["sha256"]) == {"head.safetensors", "hllm_ranker.json"} and provenance["recipe"]["fit"] == fit
     capsys.readouterr()
     metrics = tmp_path / "m.json"
     assert cli(["rerank", "--model", str(tmp_path / "shipped"), "--data", str(tmp_path / "c"),
@@ -80,6 +87,7 @@ def test_cross_validation_chooses_the_step_and_trains_on_every_query(tmp_path):
     (["ship_on=[x]"], "ship_on and ship_to go together"),
     (["transfer=[x]"], "transfer collections are checked with the shipped head"),
     ([], "nothing to do"),
+    (["fit=ridge", "folds=[{train_on: [a], test_on: [b]}]"], "fit=ridge sets a utility head under the logrank prior"),
 ])
 def test_bad_realtext_configs_say_why(overrides, match):
     with pytest.raises((ConfigError, ValueError), match=match):
@@ -89,4 +97,33 @@ def test_bad_realtext_configs_say_why(overrides, match):
 @pytest.mark.parametrize("path", REALTEXT_CONFIGS, ids=[p.name for p in REALTEXT_CONFIGS])
 def test_every_shipped_realtext_config_loads(path):
     cfg = load_config(RealTextConfig, path)
-    assert cfg.folds and cfg.ranker.head.prior == "rank" and cfg.ranker.adapt.mode == "frozen"
+    assert cfg.folds and cfg.ranker.head.prior != "none" and cfg.ranker.adapt.mode == "frozen"
+
+
+def test_the_ridge_probe_ranks_by_its_utility_minus_the_scaled_log_rank(small_splits):
+    import numpy as np
+    import torch
+
+    from hllm.head_fit import StateSlate, ridge_utility, set_utility, state_orders
+    from hllm.heads import HeadConfig
+    from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+
+    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(mode="frozen"),
+                                                 head=HeadConfig(kind="utility", positions=8, prior="logrank"))).eval()
+    torch.manual_seed(0)
+    items = [StateSlate(s, torch.randn(len(s.candidates), 32)) for s in small_splits["train"][:12]]
+    assert state_orders(ranker, items) == [list(range(len(i.slate.candidates))) for i in items]  # untrained: the input order
+    w, b = ridge_utility(items, lam=10.0)
+    x = torch.cat([i.states for i in items]).double()
+    y = torch.tensor([g for i in items for g in i.grades(0)], dtype=torch.float64)
+    xs = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    direct = torch.linalg.lstsq(torch.cat([xs, 10 ** 0.5 * torch.eye(32, dtype=torch.float64)]),
+                                torch.cat([y - y.mean(), torch.zeros(32, dtype=torch.float64)])).solution
+    np.testing.assert_allclose((x @ w.double()).numpy() - (x @ w.double()).mean().item(), (xs @ direct).numpy()
+                               - (xs @ direct).mean().item(), atol=1e-3)
+    for scale in (0.5, 2.0):
+        set_utility(ranker, w, b, scale)
+        for item, order in zip(items, state_orders(ranker, items)):
+            u = (item.states @ w + b).double()
+            fused = (u - u.mean()) / (u.std(unbiased=False) + 1e-6) - scale * torch.log1p(torch.arange(len(u), dtype=torch.float64))
+            assert order[:8] == torch.argsort(fused, descending=True).tolist()[:8]
