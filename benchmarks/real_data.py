@@ -58,21 +58,26 @@ def cross_year_rows(run: Path) -> tuple[list[dict], list[str]]:
         rows += [{"collection": fold["collection"], "queries": n, "split": "cross-year", "method": method,
                   "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
                  for method, m in (("first_stage", fold["first_stage"]), ("student", fold["student"]))]
-        steps = [t["best_step"] for t in fold["training"]]
         notes.append(f"- {fold['collection']} ({n} queries) trained on {' + '.join(fold['trained_on'])}: student "
                      f"nDCG@10 {fold['student']['nDCG@10']:.4f} ± {fold['student_nDCG@10_sd']:.4f} (sd over {seeds} seeds: "
-                     + ", ".join(f"{r['nDCG@10']:.4f}" for r in fold["student_per_seed"])
-                     + f"; steps kept {steps} by {fold['training'][0]['val_queries']} validation queries of the training year)")
+                     + ", ".join(f"{r['nDCG@10']:.4f}" for r in fold["student_per_seed"]) + f"); {chosen(fold['training'][0])}")
     for t in report["transfer"]:
         rows += [{"collection": t["collection"], "queries": t["queries"], "split": "transfer-test", "method": method,
                   "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
                  for method, m in (("first_stage", t["first_stage"]), ("student", t["student"]))]
     if report["shipped"]:
-        s = report["shipped"]
-        notes.append(f"- shipped student: trained on {s['train_queries']} queries of both years, step {s['best_step']} "
-                     f"kept by {s['val_queries']} validation queries (val nDCG@10 {s['val_nDCG@10']:.4f}, "
-                     f"{s['val_nDCG@10_at_start']:.4f} untrained = the first stage)")
+        notes.append(f"- shipped student, fitted on {report['shipped']['train_queries']} queries of both years: {chosen(report['shipped'])}")
     return rows, notes
+
+
+def chosen(t: dict) -> str:
+    """How a fit's settings were chosen, from its training record."""
+    if "ridge_lambda" in t:
+        return (f"L2 {t['ridge_lambda']:g} and prior scale {t['prior_scale']:g} chosen by {t['cv_folds']}-fold CV over the "
+                f"training queries (held-out nDCG@10 {t['val_nDCG@10']:.4f}, first stage {t['val_nDCG@10_at_start']:.4f})")
+    by = f"{t['cv_folds']}-fold CV over the training queries" if t.get("cv_folds") else f"{t['val_queries']} validation queries"
+    return (f"step {t['best_step']} kept by {by} (held-out nDCG@10 {t['val_nDCG@10']:.4f}, "
+            f"untrained = first stage {t['val_nDCG@10_at_start']:.4f})")
 
 
 def write(rows: list[dict], out: Path, text: str) -> None:
@@ -109,12 +114,13 @@ def main() -> None:
         r = cfg["ranker"]
         sections += [
             f"Run `{args.cross_year}` (`hllm.realtext`): {r['model']['preset']} frozen, cut after decoder layer "
-            f"{r['state_layer']}; {r['head']['kind']} head with the first-stage prior ({r['head']['prior']}), trained on "
-            f"graded qrels ({', '.join(cfg['loss']['terms'])}) over cached item states. Every query's BM25 top "
-            f"{cfg['top_n']} is reranked in one pass (one prompt, passages cut to {r['prompt']['max_doc_tokens']} tokens), "
-            f"as `hllm rerank` does with this model. `cross-year`: every judged query of the test year, trained on the "
-            f"other year (its validation queries choose the step); the student's figures are means over "
-            f"{len(cfg['seeds'])} seeds. `transfer-test`: the shipped student (both years) on the hashed test split of "
+            f"{r['state_layer']}; prompt `{r['prompt']['template']}`; {r['head']['kind']} head with the first-stage prior "
+            f"({r['head']['prior']}), fitted on graded qrels over cached item states "
+            + ("in closed form (ridge)" if cfg["fit"] == "ridge" else f"by SGD ({', '.join(cfg['loss']['terms'])})")
+            + f". Every query's BM25 top {cfg['top_n']} is reranked in one pass (one prompt, passages cut to "
+            f"{r['prompt']['max_doc_tokens']} tokens), as `hllm rerank` does with this model. `cross-year`: every judged "
+            f"query of the test year, fitted on the other year (whose own queries choose the settings); the student's "
+            f"figures are means over {len(cfg['seeds'])} seed(s). `transfer-test`: the shipped student (both years) on the hashed test split of "
             f"a collection never trained on. MRR@10 counts grade >= {cfg['rel']} as relevant.", "", *notes, ""]
     if not args.job:
         write(rows, Path(args.out), "\n".join(sections + table(rows)))

@@ -25,7 +25,7 @@ def test_real_data_report_from_a_finished_job(shared_data, tmp_path):
                     "student.max_teacher_same_as_input=1.0", "student.max_teacher_tau_to_input=1.0"],
                    check=True, cwd=ROOT, capture_output=True, timeout=900)
     out = tmp_path / "real_data.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_data.py"), str(job), "--transfer",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_data.py"), "--job", str(job), "--transfer",
                            str(shared_data / "cranfield"), "--transfer-queries", "3", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -59,6 +59,19 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
     got = json.loads(metrics.read_text())
     assert got["reranked"]["nDCG@10"] == pytest.approx(transfer["student"]["nDCG@10"], abs=1e-6)
     assert got["first stage (input order)"]["nDCG@10"] == pytest.approx(transfer["first_stage"]["nDCG@10"], abs=1e-6)
+    # the report rows our checks read
+    import csv
+    import subprocess
+    import sys
+    out = tmp_path / "real_data.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_data.py"), "--cross-year", str(tmp_path / "run"),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["collection"], r["split"], r["method"]): r for r in csv.DictReader(out.open())}
+    assert set(rows) == {("b", "cross-year", "first_stage"), ("b", "cross-year", "student"),
+                         ("c", "transfer-test", "first_stage"), ("c", "transfer-test", "student")}
+    assert float(rows["b", "cross-year", "student"]["nDCG@10"]) == round(fold["student"]["nDCG@10"], 4)
+    assert rows["c", "transfer-test", "student"]["queries"] == "4" and "| c | 4 | transfer-test |" in out.with_suffix(".md").read_text()
     # states are reused: a second run computes none
     states = sorted((tmp_path / "run" / "states").glob("*/shard-*"))
     stamps = [p.stat().st_mtime_ns for p in states]

@@ -46,3 +46,37 @@ def test_smollm2_saves_and_reloads_as_a_plain_model(tmp_path):
     ids = torch.tensor([tok("how do plants make food")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_the_named_real_text_student_loads_by_name_and_matches_its_provenance():
+    import json
+
+    from hllm.models import file_sha256
+    from hllm.reranker import NAMED_MODELS
+
+    folder = NAMED_MODELS["smollm2-trec-dl"]
+    provenance = json.loads((folder / "provenance.json").read_text())
+    for name, digest in provenance["sha256"].items():  # the shipped files are the ones measured
+        assert file_sha256(folder / name) == digest, name
+    assert provenance["base_model"]["sha256"] == file_sha256(smollm2_gguf_path())  # the base the wheel installs
+    reranker = Reranker.load("smollm2-trec-dl")
+    assert reranker.default_window == 100 and len(reranker.model.body.layers) == 20
+    docs = ["The aurora is caused by charged solar particles hitting the upper atmosphere.",
+            "Northern Lights is a brand of lamps.", "Tomato pasta with basil.", "Auroras appear near the poles."]
+    ranked = reranker.rank("what causes the northern lights", docs)
+    assert is_permutation([d.index for d in ranked], len(docs))
+    prompt = reranker.encode("what causes the northern lights", docs)
+    assert prompt.unknown_tokens == 0  # its vocabulary is the base model's
+
+
+@pytest.mark.data
+def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data):
+    from hllm.evaluation import quality
+    from hllm.readers import read_slates
+
+    (slate,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=100)[:1]
+    reranker = Reranker.load("smollm2-trec-dl")
+    reranker.window = reranker.default_window  # as `hllm rerank` sets it
+    ranked = reranker.windowed_orders([slate.query.text], [[c.text for c in slate.candidates]])
+    assert ranked.windows == [1] and is_permutation(ranked.orders[0], 100)
+    assert 0 <= quality([slate], ranked.orders, 2)["nDCG@10"] <= 1
