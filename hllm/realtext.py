@@ -1,21 +1,22 @@
-"""Real text, across years: a single-pass head over a frozen LM, trained on one TREC year's judged
-queries and tested on another's, then (optionally) trained on all of them and shipped.
+"""Real text, across years: a single-pass head over a frozen LM, fitted on one TREC year's judged
+queries and tested on another's, then (optionally) fitted on all of them and shipped.
 
-    python -m hllm.realtext --config configs/realtext-smollm2.yaml [key=value ...]
-    hllm realtext --config configs/realtext-smollm2.yaml
+    python -m hllm.realtext --config configs/realtext/smollm2-trec-dl.yaml [key=value ...]
+    hllm realtext --config configs/realtext/smollm2-trec-dl.yaml
 
 A recipe over the library's stages: every collection's top-`top_n` list is encoded as one prompt
-(the RankGPT wording, passages cut to `prompt.max_doc_tokens`) and its item states are computed
-once by the frozen backbone, cut at `ranker.state_layer` (`hllm.state_cache`); the head (with the
-first-stage prior, `head.prior: rank`) trains on them for many steps, its step chosen on
-validation queries of the training year (`hllm.head_fit`), never on the test year. Each fold
-reports, on every query of its test collection, the first stage and the student on the same
-candidates — the whole top `top_n` reranked in one pass, as `hllm rerank` does with this model
-(its `window` is `top_n`). Means over queries, and over `seeds` (with their spread).
+(`ranker.prompt`, passages cut to `prompt.max_doc_tokens`) and its item states are computed once
+by the frozen backbone, cut at `ranker.state_layer` (`hllm.state_cache`). The head, under a
+first-stage prior (`head.prior`), is fitted on them by SGD (`fit: sgd`, its step count chosen by
+k-fold cross-validation over the training year's queries, `hllm.head_fit`) or in closed form
+(`fit: ridge`, a utility probe whose L2 weight and prior scale the same cross-validation chooses);
+never on the test year. Each fold reports, on every query of its test collection, the first stage
+and the student on the same candidates — the whole top `top_n` reranked in one pass, as `hllm
+rerank` does with this model (its `window` is `top_n`). Means over queries, and over `seeds`.
 
-`ship_to` trains the head once more on every judged query of `ship_on` (validation queries held
-out by the same hash) and saves it as a student folder (`Reranker.load`), checked on the
-`transfer` collections (never trained on: their hashed test split). Writes `report.json`.
+`ship_to` fits the head once more on every judged query of `ship_on` and saves it as a student
+folder (`Reranker.load`) with a model card and `provenance.json`, checked on the `transfer`
+collections (never trained on: their hashed test split). Writes `report.json`.
 """
 
 from __future__ import annotations
