@@ -28,7 +28,7 @@ from hllm.evaluation import quality
 from hllm.losses import mixed_loss
 from hllm.ranker import SinglePassRanker
 from hllm.records import RerankRequest
-from hllm.training import LossConfig, TorchOptimizer, TrainConfig, train_loop
+from hllm.training import LossConfig, TorchOptimizer, TrainConfig, batches, padded_targets, train_loop
 
 
 @dataclass
@@ -66,14 +66,9 @@ def state_batch(items: Sequence[StateSlate], unjudged: int | None, device: torch
     b, n, d = len(items), max(len(i.slate.candidates) for i in items), items[0].states.shape[1]
     states = torch.zeros((b, n, d))  # (B, N, D)
     mask = torch.zeros((b, n), dtype=torch.bool)  # (B, N)
-    perm = torch.full((b, n), -1, dtype=torch.long)  # (B, N)
-    grades = torch.full((b, n), -1, dtype=torch.long)  # (B, N)
     for row, item in enumerate(items):
-        m = len(item.slate.candidates)
-        states[row, :m], mask[row, :m] = item.states, True
-        grades[row, :m] = torch.tensor(item.grades(unjudged))
-        if item.perm is not None:
-            perm[row, : len(item.perm)] = torch.tensor(item.perm)
+        states[row, : len(item.states)], mask[row, : len(item.states)] = item.states, True
+    perm, grades = padded_targets([i.perm for i in items], [i.grades(unjudged) for i in items], n)
     return {k: v.to(device) for k, v in
             {"states": states, "item_mask": mask, "perm": perm, "grades": grades}.items()}
 
@@ -101,13 +96,12 @@ def state_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder:
 
 
 def _batches(items: list[StateSlate], cfg: TrainConfig, sample_items: int | None) -> Iterator[list[StateSlate]]:
+    """The training loop's shuffled batches, each slate cut to a sub-slate when `sample_items` is set."""
+    chunks = batches(items, cfg.batch_size, cfg.seed)
+    if not sample_items:
+        return chunks
     rng = random.Random(cfg.seed)
-    order = list(range(len(items)))
-    while True:
-        rng.shuffle(order)
-        for start in range(0, len(order) - cfg.batch_size + 1 or 1, cfg.batch_size):
-            chunk = [items[i] for i in order[start: start + cfg.batch_size]]
-            yield [sub_slate(i, sample_items, rng) for i in chunk] if sample_items else chunk
+    return ([sub_slate(i, sample_items, rng) for i in chunk] for chunk in chunks)
 
 
 def fit_head(ranker: SinglePassRanker, train: list[StateSlate], val: list[StateSlate], cfg: TrainConfig,

@@ -123,8 +123,13 @@ class SinglePassRanker(nn.Module):
         self.merged = False  # True once LoRA is folded into the base weights (inference only)
         lm = _causal_lm(backbone)
         self.body = lm.get_decoder()  # decoder stack; LoRA layers are injected in place
-        self.head = build_head(lm.config.hidden_size, cfg.head).to(next(lm.parameters()).dtype)
+        self.head = self.new_head()
         self.prompts = PromptBuilder(tokenizer, cfg.prompt, cfg.model.context_length)
+
+    def new_head(self) -> nn.Module:
+        """An untrained head for this backbone (its width and dtype), as `self.cfg.head` describes it."""
+        lm = _causal_lm(self.backbone)
+        return build_head(lm.config.hidden_size, self.cfg.head).to(next(lm.parameters()).dtype)
 
     @classmethod
     def build(cls, cfg: RankerConfig) -> "SinglePassRanker":

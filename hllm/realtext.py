@@ -37,7 +37,7 @@ from hllm.cache import fingerprint
 from hllm.config import load_config, to_dict
 from hllm.evaluation import first_stage_order, quality
 from hllm.head_fit import StateSlate, fit_head, ridge_utility, set_utility, state_orders
-from hllm.heads import HeadConfig, build_head
+from hllm.heads import HeadConfig
 from hllm.models import PROVENANCE, ModelConfig, file_sha256, resolve_device, smollm2_gguf_path, weights_dir
 from hllm.prompts import PromptConfig
 from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
@@ -127,26 +127,27 @@ class Collections:
 
     def __init__(self, cfg: RealTextConfig, ranker: SinglePassRanker):
         self.cfg, self.ranker = cfg, ranker
-        self._items: dict[tuple[str, str], list[StateSlate]] = {}
+        self._items: dict[tuple[str, bool], list[StateSlate]] = {}
 
-    def items(self, path: str, part: str = "all") -> list[StateSlate]:
-        """`all` its queries, or `transfer`: its hashed test split, capped."""
-        if (path, part) not in self._items:
+    def items(self, path: str, transfer: bool = False) -> list[StateSlate]:
+        """All its queries, or (`transfer`) its hashed test split, capped."""
+        if (path, transfer) not in self._items:
             slates = read_slates("beir", path, top_n=self.cfg.top_n)
-            if part == "transfer":
+            if transfer:
                 slates = split_by_hash(slates, self.cfg.transfer_fraction)[1][: self.cfg.transfer_queries]
             directory = Path(self.cfg.output_dir) / "states" / f"{collection_name(path)}-{states_key(self.ranker.cfg, slates)}"
             t0 = time.perf_counter()
             states = cached_states(self.ranker, slates, directory, self.cfg.shard_slates, progress=lambda done, total, s: log.info(
                 "  %s: %d/%d state shards (%.0fs)", collection_name(path), done, total, s))
-            log.info("%s (%s): %d queries, states ready in %.0fs", collection_name(path), part, len(slates), time.perf_counter() - t0)
-            self._items[path, part] = [StateSlate(s, x) for s, x in zip(slates, states)]
-        return self._items[path, part]
+            log.info("%s%s: %d queries, states ready in %.0fs", collection_name(path), " (transfer split)" if transfer else "",
+                     len(slates), time.perf_counter() - t0)
+            self._items[path, transfer] = [StateSlate(s, x) for s, x in zip(slates, states)]
+        return self._items[path, transfer]
 
 
 def fresh_head(ranker: SinglePassRanker, seed: int) -> None:
     torch.manual_seed(seed)
-    ranker.head = build_head(ranker.body.config.hidden_size, ranker.cfg.head).to(ranker.device)
+    ranker.head = ranker.new_head().to(ranker.device)
 
 
 def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfig, seed: int) -> dict[str, Any]:
@@ -158,8 +159,7 @@ def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextC
         return _ridge(ranker, items, cfg)
     if cfg.cv_folds >= 2:
         return _cross_validated(ranker, items, cfg, seed)
-    train, val = split_by_hash([i.slate for i in items], cfg.val_fraction)
-    ids = {s.slate_id for s in val}
+    ids = {s.slate_id for s in split_by_hash([i.slate for i in items], cfg.val_fraction)[1]}
     fresh_head(ranker, seed)
 
     def progress(step: int, row: dict) -> None:
@@ -211,7 +211,8 @@ def _ridge(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfi
     t0 = time.perf_counter()
     fresh_head(ranker, 0)
     grid: dict[tuple[float, float], list[float]] = {}
-    for train, held in _folds(items, cfg.cv_folds):
+    folds = _folds(items, cfg.cv_folds)
+    for train, held in folds:
         for lam in cfg.ridge_lambdas:
             w, b = ridge_utility(train, lam, cfg.unjudged_grade)
             for scale in cfg.prior_scales:
@@ -221,7 +222,7 @@ def _ridge(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfi
     lam, scale = max(mean, key=lambda k: (round(mean[k], 6), k[0], k[1]))  # ties: more shrinkage, more prior
     set_utility(ranker, *ridge_utility(items, lam, cfg.unjudged_grade), scale)
     untrained = statistics.fmean(quality([i.slate for i in held], first_stage_order([i.slate for i in held]), cfg.rel)["nDCG@10"]
-                                 for _, held in _folds(items, cfg.cv_folds))
+                                 for _, held in folds)
     log.info("    ridge probe: L2 %g, prior scale %g kept by %d-fold CV over %d queries (held-out nDCG@10 %.4f, first stage %.4f)",
              lam, scale, cfg.cv_folds, len(items), mean[lam, scale], untrained)
     return {"train_queries": len(items), "val_queries": 0, "cv_folds": cfg.cv_folds, "best_step": 0, "ridge_lambda": lam,
@@ -286,7 +287,7 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
     ranker.save(target)
     transfer = []
     for path in cfg.transfer:
-        t_items = data.items(path, "transfer")
+        t_items = data.items(path, transfer=True)
         slates = [i.slate for i in t_items]
         transfer.append({"collection": collection_name(path), "queries": len(t_items),
                          "first_stage": quality(slates, first_stage_order(slates), cfg.rel),

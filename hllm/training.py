@@ -198,16 +198,23 @@ def student_examples(builder: PromptBuilder, ranked: Sequence[RankedSlate], loss
 def student_batch(examples: list[StudentExample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """-> prompt tensors + perm (B, N) and grades (B, N), both padded with -1, on `device`."""
     batch = collate([e.prompt for e in examples], pad_id)
-    n = batch["item_mask"].shape[1]
-    perm = torch.full((len(examples), n), -1, dtype=torch.long)
-    grades = torch.full((len(examples), n), -1, dtype=torch.long)
-    for row, e in enumerate(examples):
-        if e.perm is not None:
-            perm[row, : len(e.perm)] = torch.tensor(e.perm)
-        if e.grades is not None:
-            grades[row, : len(e.grades)] = torch.tensor([-1 if g is None else g for g in e.grades])
-    batch["perm"], batch["grades"] = perm, grades
+    batch["perm"], batch["grades"] = padded_targets([e.perm for e in examples], [e.grades for e in examples],
+                                                    batch["item_mask"].shape[1])
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def padded_targets(perms: Sequence[list[int] | None], grades: Sequence[Sequence[int | None] | None], n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slate its teacher permutation and grades -> perm (B, N) and grades (B, N), padded with -1
+    (an absent permutation, an absent or unjudged grade: -1 too, which the losses leave out)."""
+    perm = torch.full((len(perms), n), -1, dtype=torch.long)
+    graded = torch.full((len(perms), n), -1, dtype=torch.long)
+    for row, (p, g) in enumerate(zip(perms, grades)):
+        if p is not None:
+            perm[row, : len(p)] = torch.tensor(p, dtype=torch.long)
+        if g is not None:
+            graded[row, : len(g)] = torch.tensor([-1 if x is None else x for x in g], dtype=torch.long)
+    return perm, graded
 
 
 def student_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_cfg: LossConfig):
