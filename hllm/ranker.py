@@ -178,10 +178,13 @@ class SinglePassRanker(nn.Module):
         (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
 
     @classmethod
-    def load(cls, directory: str | Path, dtype: str | None = None, merge_lora: bool = False) -> "SinglePassRanker":
+    def load(cls, directory: str | Path, dtype: str | None = None, merge_lora: bool = False,
+             trainable: bool = False) -> "SinglePassRanker":
         """`merge_lora` folds the adapter into the base weights (`merge_and_unload`): the same scores
         up to float rounding, without the adapters' extra matmuls at inference. Such a ranker
-        cannot be saved or trained further."""
+        cannot be saved or trained further. `trainable` loads the adapter to train on (a warm start)."""
+        if merge_lora and trainable:
+            raise ValueError("a ranker with LoRA merged into its base cannot be trained: merge_lora or trainable")
         directory = Path(directory)
         cfg = from_dict(RankerConfig, json.loads((directory / CONFIG_FILE).read_text()))
         model_cfg = cfg.model
@@ -194,7 +197,7 @@ class SinglePassRanker(nn.Module):
         model, tokenizer = load_backbone(model_cfg)
         model = cut_backbone(model, cfg.state_layer)
         if cfg.adapt.mode == "lora":
-            model = PeftModel.from_pretrained(model, directory / "adapter")
+            model = PeftModel.from_pretrained(model, directory / "adapter", is_trainable=trainable)
             if merge_lora:
                 model = model.merge_and_unload()
         ranker = cls(model, tokenizer, dataclasses.replace(cfg, model=model_cfg))

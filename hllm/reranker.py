@@ -36,6 +36,7 @@ from hllm.models import resolve_device
 from hllm.prompts import EncodedPrompt, PromptTooLong, collate
 from hllm.ranker import SinglePassRanker, read_model_card
 from hllm.records import RerankRequest
+from hllm.traffic import model_key
 from hllm.windows import WINDOWINGS, rank_in_windows
 
 __all__ = ["PromptTooLong", "RankedDocument", "Reranker", "Windowed", "resolve_model_uri", "vocabulary_warning"]
@@ -164,6 +165,18 @@ class Reranker:
         """The bare prefill of the same prompts (no head, no decoding): the baseline of latency tables."""
         batch = self.tensors(prompts)
         return self.model.hidden_states(batch["input_ids"], batch["attention_mask"])
+
+    def cut_documents(self, documents: Sequence[str]) -> list[str]:
+        """Documents as the model reads them at most: each cut to the prompt's `max_doc_tokens`
+        (a traffic log keeps no more of a document than the model could use)."""
+        budget, tokenizer = self.model.prompts.cfg.max_doc_tokens, self.model.tokenizer
+        ids = tokenizer([" " + d for d in documents], add_special_tokens=False)["input_ids"]
+        return [d if len(i) <= budget else tokenizer.decode(i[:budget]).strip() for d, i in zip(documents, ids)]
+
+    @property
+    def model_key(self) -> str:
+        """The model's prompt and vocabulary as a key: traffic it answered can train students of the same key."""
+        return model_key(self.model.cfg.prompt, self.model.tokenizer)
 
     def decode(self, matrix: np.ndarray, decoder: str | None = None) -> Decoded:
         return DECODERS[decoder or self.decoder](matrix)

@@ -1,4 +1,4 @@
-"""`hllm`: rerank any collection into a TREC run, evaluate runs, show the config, run the job.
+"""`hllm`: rerank any collection into a TREC run, evaluate runs, show the config, run the job, refresh it.
 
     hllm rerank --model runs/default/student --data ../shared/data/trec-dl19-passage-bm25top100 --out dl19.trec
     hllm rerank --teacher runs/default --data DIR --out teacher.trec       # the AR teacher, for comparison
@@ -7,6 +7,7 @@
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.realtext
+    hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
 Bad input (a missing model, a malformed file, ids that do not match, a query with no candidates)
@@ -175,6 +176,13 @@ def cmd_realtext(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from pipelines import refresh
+
+    refresh.main(([f"--config={args.config}"] if args.config else []) + list(args.overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hllm", description="hLLM: single-pass generative reranking.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -260,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--config", help="YAML config (default: configs/default.yaml)")
     j.add_argument("overrides", nargs="*", help="key=value overrides")
     j.set_defaults(func=cmd_run)
+
+    f = sub.add_parser("refresh", help="one flywheel cycle (pipelines/refresh.py): the Serve traffic log -> teacher "
+                       "labels -> a challenger fine-tuned from the champion -> the gate moves the alias, or says why not")
+    f.add_argument("--config", help="YAML config of the champion's job (default: configs/default.yaml)")
+    f.add_argument("overrides", nargs="*", help="key=value overrides, e.g. refresh.log_path=runs/traffic")
+    f.set_defaults(func=cmd_refresh)
 
     t = sub.add_parser("realtext", help="real text across TREC years: a frozen LM's cached states, a prior head, "
                        "cross-year folds, the shipped student (hllm.realtext)")

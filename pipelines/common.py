@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hllm.config import flatten, load_config, to_dict
+from hllm.flywheel import RefreshConfig
 from hllm.job import JobConfig, add_config_args
 
 log = logging.getLogger("hllm.pipelines")
@@ -66,6 +67,7 @@ class PipelineConfig(JobConfig):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    refresh: RefreshConfig = field(default_factory=RefreshConfig)  # the flywheel's cycle (pipelines/refresh.py)
 
 
 def parse_job(description: str, argv: list[str] | None = None, configure=None) -> tuple["PipelineConfig", Any]:

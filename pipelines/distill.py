@@ -108,7 +108,10 @@ def train_func(config: dict[str, Any]) -> None:
     device = torch.device(f"cuda:{ctx.get_local_rank()}" if gpu else "cpu")
 
     torch.manual_seed(t.seed)  # the head's initialisation (DeepSpeed broadcasts rank 0's weights anyway)
-    ranker = SinglePassRanker.build(rcfg).to(device)
+    if config.get("init_from"):  # a warm start: the champion's weights (the flywheel's fine-tuning)
+        ranker = SinglePassRanker.load(config["init_from"], trainable=True).to(device)
+    else:
+        ranker = SinglePassRanker.build(rcfg).to(device)
     optimizer, scheduler = make_optimizer(param_groups(ranker, t), t)  # a torch AdamW: no fused_adam build on CPU
     engine, _, _, _ = deepspeed.initialize(model=ranker, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, gpu))
@@ -167,8 +170,11 @@ def train_func(config: dict[str, Any]) -> None:
         mlflow.end_run()
 
 
-def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Path, mlflow_run_id: str | None = None):
-    """-> ray.train.Result; the trained student is in the final checkpoint's `student/`."""
+def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Path, mlflow_run_id: str | None = None,
+          init_from: Path | None = None, name: str = "distill"):
+    """-> ray.train.Result; the trained student is in the final checkpoint's `student/`. `init_from`:
+    a student folder to start from (its config, adapter and head) instead of `rcfg` built fresh;
+    `name`: the run's folder under `output_dir/ray_train`, where its checkpoints are kept."""
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -181,14 +187,15 @@ def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Pat
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"job": to_dict(cfg), "ranker": to_dict(rcfg), "val_dir": str(val_dir), "use_gpu": gpu,
-                           "mlflow_run_id": mlflow_run_id, "tracking_uri": tracking_uri(cfg)},
+                           "mlflow_run_id": mlflow_run_id, "tracking_uri": tracking_uri(cfg),
+                           "init_from": str(init_from.resolve()) if init_from else None},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.cluster.train_workers, use_gpu=gpu,
             placement_strategy="SPREAD" if cfg.cluster.spread else "PACK",
             resources_per_worker=None if gpu else {"CPU": cfg.cluster.train_cpus_per_worker}),
         run_config=ray.train.RunConfig(
-            name="distill", storage_path=str(storage),
+            name=name, storage_path=str(storage),
             failure_config=ray.train.FailureConfig(max_failures=cfg.distill.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             worker_runtime_env={"env_vars": env}),

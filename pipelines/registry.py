@@ -70,6 +70,12 @@ def log_student(student_dir: str | Path, registered_name: str | None = None, ali
     return f"models:/{registered_name}/{registered.version}"
 
 
+def pin(uri: str) -> str:
+    """`models:/NAME@ALIAS` -> `models:/NAME/VERSION`, the version the alias points at now."""
+    name, _, alias = uri.removeprefix("models:/").partition("@")
+    return f"models:/{name}/{mlflow.MlflowClient().get_model_version_by_alias(name, alias).version}"
+
+
 def promote(name: str, model_version: int | str, alias: str = "champion") -> None:
     """Points `models:/NAME@ALIAS` at a version (moving the alias from any other)."""
     mlflow.MlflowClient().set_registered_model_alias(name, alias, str(model_version))

