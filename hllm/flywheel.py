@@ -35,8 +35,8 @@ class RefreshConfig:
     """One flywheel cycle (`pipelines/refresh.py`, `hllm refresh`)."""
 
     log_path: str = "runs/traffic"  # the Serve traffic log (`serve.app.AppArgs.traffic_log.path`)
-    champion: str = "models:/hllm-student@champion"  # the serving model: fine-tuned from, compared against
-    alias: str = "champion"  # the registry alias the gate moves
+    # the serving model, a registry alias: fine-tuned from, compared against, and the alias the gate moves
+    champion: str = "models:/hllm-student@champion"
     sample_share: float = 1.0  # requests kept, by a hash of the request, before deduplication (lower it at scale)
     max_slates: int = 2000  # new slates labelled per cycle, at most
     min_slates: int = 20  # fewer usable requests than this: no cycle (and no new version)
@@ -51,10 +51,20 @@ class RefreshConfig:
     seed: int = 0  # the replay sample
 
     def __post_init__(self) -> None:
+        name, alias = registry_alias(self.champion)
+        if not (self.champion.startswith("models:/") and name and alias):
+            raise ValueError(f"refresh.champion must be a registry alias, models:/NAME@ALIAS (the gate moves it), "
+                             f"not {self.champion!r}")
         if not (0 < self.sample_share <= 1 and 0 < self.traffic_test_fraction < 1 and 0 <= self.replay_share < 1):
             raise ValueError("refresh: need 0 < sample_share <= 1, 0 < traffic_test_fraction < 1, 0 <= replay_share < 1")
         if self.min_slates < 2 or self.max_slates < self.min_slates:
             raise ValueError("refresh: need 2 <= min_slates <= max_slates")
+
+
+def registry_alias(champion: str) -> tuple[str, str]:
+    """`models:/NAME@ALIAS` -> (NAME, ALIAS)."""
+    name, _, alias = champion.removeprefix("models:/").partition("@")
+    return name, alias
 
 
 @dataclass

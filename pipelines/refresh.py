@@ -33,7 +33,8 @@ import pyarrow as pa  # noqa: E402
 
 from hllm import store, traffic  # noqa: E402
 from hllm.evaluation import first_stage_order  # noqa: E402
-from hllm.flywheel import NothingToRefresh, gate, refuse_foreign, replay_mix, select_slates, side_by_side  # noqa: E402
+from hllm.flywheel import (NothingToRefresh, Verdict, gate, refuse_foreign, registry_alias, replay_mix,  # noqa: E402
+                           select_slates, side_by_side)
 from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job, tracking_uri  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.refresh")
@@ -96,9 +97,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
     from pipelines.registry import log_student, pin, promote
 
     r, seconds = cfg.refresh, {}
-    if not (r.champion.startswith("models:/") and "@" in r.champion):
-        raise ValueError(f"refresh.champion must be a registry alias, models:/NAME@ALIAS (the gate moves it), not {r.champion!r}")
-    name = r.champion.removeprefix("models:/").split("@")[0]
+    name, alias = registry_alias(r.champion)
     init_ray(cfg.cluster)
     mlflow.set_tracking_uri(tracking_uri(cfg))
     t0 = time.perf_counter()
@@ -151,14 +150,17 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
 
         challenger_uri = log_student(challenger_dir, name)
         version = challenger_uri.rsplit("/", 1)[1]
+        if verdict.promote and pin(r.champion) != champion_uri:  # another cycle or a person moved it meanwhile
+            verdict = Verdict(False, verdict.reasons + [f"{r.champion} moved to {pin(r.champion)} during the cycle: "
+                                                        f"the challenger was compared with {champion_uri}, not with it"])
         if verdict.promote:
-            promote(name, version, r.alias)
+            promote(name, version, alias)
         for who, row in figures.items():
             log_metrics(row, prefix=f"{who}.")
         log_metrics({"tolerance": r.tolerance, "min_gain": r.min_gain, "promoted": int(verdict.promote),
                      **{f"seconds.{k}": v for k, v in seconds.items()}})
         mlflow.set_tags({"challenger_version": challenger_uri, "verdict": verdict.text(), "gate_metric": r.gate_metric,
-                         "alias_now": f"models:/{name}@{r.alias} -> {pin(f'models:/{name}@{r.alias}')}"})
+                         "alias_now": f"{r.champion} -> {pin(r.champion)}"})
         record = {"cycle": selection.cycle, "champion": champion_uri, "challenger": challenger_uri,
                   "promoted": verdict.promote, "verdict": verdict.text(), "counts": selection.counts, "figures": figures,
                   "seconds": seconds, "mlflow_run_id": run.info.run_id, "cycle_dir": str(out),
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"refresh: {err}")
     print(f"cycle {record['cycle']}: {record['verdict']}")
     print(f"champion {record['champion']} -> challenger {record['challenger']}"
-          f"{' (now ' + cfg.refresh.alias + ')' if record['promoted'] else ''}; mlflow run {record['mlflow_run_id']}")
+          f"{' (now ' + cfg.refresh.champion + ')' if record['promoted'] else ''}; mlflow run {record['mlflow_run_id']}")
 
 
 if __name__ == "__main__":

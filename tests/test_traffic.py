@@ -204,3 +204,9 @@ def test_replay_mix_holds_the_share():
 
 def test_schema_matches_the_record():
     assert SCHEMA.names == list(TrafficRecord.__dataclass_fields__)
+
+
+def test_the_champion_must_be_a_registry_alias():
+    for wrong in ("runs/default/student", "models:/hllm-student/3", "models:/@champion"):
+        with pytest.raises(ValueError, match="models:/NAME@ALIAS"):
+            RefreshConfig(champion=wrong)
