@@ -47,8 +47,8 @@ THIN_INGRESS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRE
 # Serve's controller gives a starting proxy PROXY_READY_CHECK_TIMEOUT_S (5 s) to say it is ready and
 # kills it after three misses: on a machine whose cores another job keeps busy, HAProxy's proxy
 # actor missed it and `serve.start` raised ActorDiedError. Ray's actors run at nice 15, so two plain
-# busy loops on 2 cores leave them a few percent of the CPU: the proxy then took 54 s to come up
-# (tests/test_flywheel.py measures it each run). A patient check costs nothing on an idle machine
+# busy loops on 2 cores leave them a few percent of the CPU: with 5 s, serve.start failed after 66 s;
+# with 120 s the proxies were healthy after 98 s (tests/test_flywheel.py starts Serve so, each run). A patient check costs nothing on an idle machine
 # (the proxy answers as soon as it is up); the health check gets slack too, so a proxy stalled by
 # load is not restarted mid-swap. Read by the controller when Ray starts.
 PATIENT_PROXY = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
