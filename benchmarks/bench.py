@@ -18,9 +18,9 @@ def local_ray(serve_port: int | None = None) -> None:
     thin_ingress()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     if serve_port is not None:
-        from ray import serve
+        from serve.app import start_serve
 
-        serve.start(http_options={"host": "127.0.0.1", "port": serve_port})
+        start_serve({"host": "127.0.0.1", "port": serve_port})
 
 
 def write_report(name: str, title: str, text: str, path: str | Path | None = None) -> Path:

@@ -33,9 +33,9 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
     import requests
     from ray import serve
 
-    from serve.app import app_builder
+    from serve.app import app_builder, start_serve
 
-    serve.start(http_options={"host": "127.0.0.1", "port": cfg.cluster.serve_port})
+    start_serve({"host": "127.0.0.1", "port": cfg.cluster.serve_port})
     serve.run(app_builder({"model": str(student_dir.resolve()), "threads": 1}), name="hllm", route_prefix="/")
     slate = load_splits(cfg.data)["test"][0]
     body = {"query": slate.query.text, "documents": [c.text for c in slate.candidates], "top_n": 5}

@@ -50,8 +50,32 @@ THIN_INGRESS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRE
 # busy loops on 2 cores leave them a few percent of the CPU: with 5 s, serve.start failed after 66 s;
 # with 120 s the proxies were healthy after 98 s (tests/test_flywheel.py starts Serve so, each run). A patient check costs nothing on an idle machine
 # (the proxy answers as soon as it is up); the health check gets slack too, so a proxy stalled by
-# load is not restarted mid-swap. Read by the controller when Ray starts.
+# load is not restarted mid-swap. Read by the controller when Ray starts. `start_serve` outlasts
+# serve.start's own 60 s wait for the proxies (not configurable) by starting again.
 PATIENT_PROXY = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
+def start_serve(http_options: dict, timeout_s: float = 600.0) -> None:
+    """`serve.start` that outlasts a busy machine. Serve's own start waits 60 s for its proxies (a
+    constant, `HTTP_PROXY_TIMEOUT`) and raises TimeoutError, while the controller keeps starting them
+    (with `PATIENT_PROXY`, for up to 120 s each try): so start again (it connects to the running
+    controller) and wait until every proxy is HEALTHY, for up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            serve.start(http_options=http_options)
+            break
+        except TimeoutError as err:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("Serve's proxies are slow to start (%s): waiting on (a busy machine?)", err)
+    while True:
+        proxies = serve.status().proxies
+        if proxies and all(getattr(v, "value", v) == "HEALTHY" for v in proxies.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve's proxies not healthy after {timeout_s:.0f} s: {proxies}")
+        time.sleep(0.5)
 
 
 def thin_ingress() -> None:
@@ -234,6 +258,8 @@ class RerankMetrics:
         self.windows = hist("hllm_request_windows", "prefills per rerank request (windows)", [1, 2, 5, 10, 20, 50, 100])
         self.requests = metrics.Counter("hllm_requests", description="rerank requests answered, by status",
                                         tag_keys=("status",))
+        self.swaps = metrics.Counter("hllm_model_swaps", description="a moved alias followed (swapped) or not "
+                                     "(registry unreachable, a version that would not load)", tag_keys=("outcome",))
 
     def record(self, status: int, ms: float, documents: int, batch: int = 0, tokens: int = 0, windows: int = 1) -> None:
         self.requests.inc(tags={"status": str(status)})
@@ -272,7 +298,6 @@ class RerankDeployment:
 
             self.traffic = TrafficLog(self.args.traffic_log, cut=lambda docs: self.served.reranker.cut_documents(docs),
                                       writer=_replica_name())
-        self.swaps = {"swapped": 0, "alias_errors": 0}
         if self.args.alias_poll_s and is_alias(self.args.model):
             threading.Thread(target=self._watch_alias, name="hllm-alias-watch", daemon=True).start()
 
@@ -293,10 +318,10 @@ class RerankDeployment:
                 uri = pinned_model(self.args.model)
                 if model_id(uri) != self.served.model_id:
                     self.served = self._load(uri)
-                    self.swaps["swapped"] += 1
+                    self.metrics.swaps.inc(tags={"outcome": "swapped"})
                     logger.info("serving %s (alias %s moved)", uri, self.args.model)
             except Exception as err:  # noqa: BLE001 (registry down, a bad version: keep serving, count, say)
-                self.swaps["alias_errors"] += 1
+                self.metrics.swaps.inc(tags={"outcome": "failed"})
                 logger.warning("could not follow %s: %s; still serving %s", self.args.model, err, self.served.model_id)
 
     @property
@@ -425,7 +450,8 @@ class RerankDeployment:
     async def models(self) -> ModelList:
         card = self.reranker.card
         return ModelList(data=[ModelCard(
-            id=self.args.model_name, max_documents=self.args.max_documents, positions=self.reranker.positions,
+            id=self.args.model_name, model_version=self.served.model_id, max_documents=self.args.max_documents,
+            positions=self.reranker.positions,
             window=self.args.window, base_model=card.get("base_model"), training_data=card.get("training_data"),
             vocabulary=card.get("vocabulary"), card=card,
             relevance_score=("calibrated P(relevant) (grade >= {}), non-increasing along the results; raw_scores: true "
@@ -449,7 +475,7 @@ def main() -> None:
     args = parser.parse_args()
     thin_ingress()
     ray.init(include_dashboard=False, dashboard_host="127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    start_serve({"host": "127.0.0.1", "port": args.port})
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     serve.run(app_builder({"model": model}), blocking=True)
 

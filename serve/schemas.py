@@ -94,6 +94,7 @@ class RerankResponse(BaseModel):
 
 class ModelCard(BaseModel):
     id: str
+    model_version: str | None = None  # what answers now: models:/NAME/VERSION, a run URI, or folder#hash
     object: Literal["model"] = "model"
     owned_by: str = "hllm"
     max_documents: int  # per request

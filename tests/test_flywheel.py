@@ -58,18 +58,6 @@ class BusyMachine:
                 p.kill()
 
 
-def wait_for_healthy_proxies(timeout_s: float = 300) -> float:
-    from ray import serve
-
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        proxies = serve.status().proxies
-        if proxies and all(str(v).endswith("HEALTHY") for v in proxies.values()):
-            return time.time() - t0
-        time.sleep(0.5)
-    raise AssertionError(f"Serve's proxies not healthy after {timeout_s} s: {serve.status().proxies}")
-
-
 def traffic_bodies(n: int, seed: int = 11) -> list[dict]:
     """Requests unlike the job's slates: another draw of the catalogue (new queries)."""
     splits, _ = generate(SyntheticConfig(catalogue_size=300, slate_size=6, train_slates=n, val_slates=1, test_slates=1, seed=seed))
@@ -94,7 +82,7 @@ def job(ray_local, tmp_path_factory):
 def test_served_traffic_refreshes_the_champion_and_the_deployment_swaps_with_no_failed_request(job):
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import AppArgs, RerankDeployment, start_serve
     from serve.faults import swap_under_load
 
     cfg, _, out, tracking = job
@@ -103,8 +91,7 @@ def test_served_traffic_refreshes_the_champion_and_the_deployment_swaps_with_no_
     deployment = RerankDeployment.options(name="Flywheel", num_replicas=2, ray_actor_options={"num_cpus": 0.5})
     with BusyMachine(nice=0):  # Serve's proxy must come up while plain processes keep every core busy
         t0 = time.time()
-        serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-        wait_for_healthy_proxies()
+        start_serve({"host": "127.0.0.1", "port": SERVE_PORT})
         print(f"Serve started, proxies healthy, after {time.time() - t0:.0f} s on a busy machine")
     serve.run(deployment.bind(args.model_dump()), name="flywheel", route_prefix="/flywheel")
     try:
@@ -143,6 +130,8 @@ def test_served_traffic_refreshes_the_champion_and_the_deployment_swaps_with_no_
         print("swap under load:", summary)
         assert summary["failed"] == 0 and summary["requests"] > 20, summary
         assert swap.swap_s is not None and set(swap.versions) == {"models:/hllm-student/1", "models:/hllm-student/2"}, summary
+        card = requests.get(URL.replace("/v1/rerank", "/v1/models"), timeout=30).json()["data"][0]
+        assert card["model_version"] == "models:/hllm-student/2"
     finally:
         serve.delete("flywheel")
 

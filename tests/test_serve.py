@@ -42,9 +42,9 @@ def student_dir(tmp_path_factory, small_splits):
 def app(ray_local, student_dir):
     from ray import serve
 
-    from serve.app import app_builder
+    from serve.app import app_builder, start_serve
 
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    start_serve({"host": "127.0.0.1", "port": PORT})
     serve.run(app_builder({"model": str(student_dir), "max_documents": 10, "max_body_bytes": 20_000}),
               name="hllm", route_prefix="/")
     yield
@@ -329,3 +329,25 @@ def test_replica_killed_under_load_loses_at_most_one_percent_and_recovers(app, s
         assert post("/drill/v1/rerank", query="boots", documents=DOCS).status_code == 200  # serving again
     finally:
         serve.delete("drill")
+
+
+def test_start_serve_outlasts_a_proxy_wait_that_runs_out(app, monkeypatch):
+    """serve.start's own 60 s wait for the proxies ran out on a busy machine (TimeoutError) while the
+    controller was still starting them: start_serve starts again and waits for HEALTHY proxies."""
+    from ray import serve
+
+    from serve.app import start_serve
+
+    real, calls = serve.start, []
+
+    def slow_then_real(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise TimeoutError("HTTP proxies not available after 60s.")
+        return real(**kwargs)
+
+    monkeypatch.setattr(serve, "start", slow_then_real)
+    start_serve({"host": "127.0.0.1", "port": PORT}, timeout_s=120)
+    assert len(calls) == 2
+    assert all(getattr(v, "value", v) == "HEALTHY" for v in serve.status().proxies.values())
+    assert post(query="red boots", documents=DOCS).status_code == 200
