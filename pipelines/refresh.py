@@ -92,8 +92,8 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
 
     from hllm import Reranker
     from hllm.job import student_ranker_config
-    from pipelines import distill, teacher_gen
     from hllm.stages import teacher_rankings_stage
+    from pipelines import distill, teacher_gen
     from pipelines.registry import log_student, pin, promote
 
     r, seconds = cfg.refresh, {}
