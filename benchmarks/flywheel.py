@@ -54,26 +54,27 @@ def post_all(url: str, bodies: list[dict]) -> list[float]:
     return ms
 
 
-def true_label_figures(record: dict, truth: dict, champion_dir: Path, challenger_dir: Path) -> dict[str, float]:
-    """nDCG@10 with the generator's labels on the cycle's held-out traffic: teacher, champion,
-    challenger and the new first stage, on the same slates."""
+def true_label_figures(record: dict, truth: dict) -> dict[str, float]:
+    """nDCG@10 with the generator's labels on the cycle's held-out traffic, for the teacher (its
+    rankings in the store), the new first stage, champion and challenger (their orders as the cycle
+    ranked them, `record["traffic_orders"]`), on the same slates; paired differences with 95% CIs."""
     import dataclasses
 
-    from hllm import store
     import numpy as np
     from scipy import stats
 
-    from hllm.evaluation import first_stage_order, quality
+    from hllm import store
+    from hllm.evaluation import quality
     from hllm.metrics import ir_metrics_per_query
     from hllm.traffic import request_key
-    from pipelines.refresh import rank_all
 
     items = store.read_rankings(record["rankings"]["test"])
-    graded = [dataclasses.replace(i, slate=dataclasses.replace(
-        i.slate, grades=truth[request_key(i.slate.query.text, [c.text for c in i.slate.candidates])])) for i in items]
-    slates = [i.slate for i in graded]
-    perms = {"first_stage": first_stage_order(slates), "teacher": [i.ranking.permutation for i in graded],
-             "champion": rank_all(champion_dir, graded), "challenger": rank_all(challenger_dir, graded)}
+    slates = [dataclasses.replace(i.slate, grades=truth[request_key(i.slate.query.text, [c.text for c in i.slate.candidates])])
+              for i in items]
+    orders = record["traffic_orders"]
+    perms = {"first_stage": [orders["first_stage"][s.slate_id] for s in slates],
+             "teacher": [i.ranking.permutation for i in items],
+             **{who: [orders[who][s.slate_id] for s in slates] for who in ("champion", "challenger")}}
     out = {"slates": len(slates), **{k: quality(slates, p, 1)["nDCG@10"] for k, p in perms.items()}}
     per_query = {k: ir_metrics_per_query(slates, p) for k, p in perms.items()}
     for a, b in (("teacher", "champion"), ("teacher", "challenger"), ("challenger", "champion")):
@@ -137,8 +138,7 @@ def main() -> None:
     time.sleep(3)  # the replicas' time flush
 
     record = refresh.run(cfg)
-    champion_dir = refresh.champion_folder(cfg, record["champion"])
-    quality_now = true_label_figures(record, truth, champion_dir, Path(record["cycle_dir"]) / "challenger")
+    quality_now = true_label_figures(record, truth)
 
     promote("hllm-student", 1, "champion")  # the alias back, to watch the running deployment follow it under load
     deadline = time.time() + 60

@@ -51,8 +51,7 @@ class RefreshConfig:
     seed: int = 0  # the replay sample
 
     def __post_init__(self) -> None:
-        name, alias = registry_alias(self.champion)
-        if not (self.champion.startswith("models:/") and name and alias):
+        if registry_alias(self.champion) is None:
             raise ValueError(f"refresh.champion must be a registry alias, models:/NAME@ALIAS (the gate moves it), "
                              f"not {self.champion!r}")
         if not (0 < self.sample_share <= 1 and 0 < self.traffic_test_fraction < 1 and 0 <= self.replay_share < 1):
@@ -61,10 +60,10 @@ class RefreshConfig:
             raise ValueError("refresh: need 2 <= min_slates <= max_slates")
 
 
-def registry_alias(champion: str) -> tuple[str, str]:
-    """`models:/NAME@ALIAS` -> (NAME, ALIAS)."""
-    name, _, alias = champion.removeprefix("models:/").partition("@")
-    return name, alias
+def registry_alias(uri: str) -> tuple[str, str] | None:
+    """`models:/NAME@ALIAS` -> (NAME, ALIAS); None for anything else (a folder, a version, a run)."""
+    name, _, alias = uri.removeprefix("models:/").partition("@")
+    return (name, alias) if uri.startswith("models:/") and name and alias else None
 
 
 @dataclass

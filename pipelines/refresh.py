@@ -164,7 +164,10 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
         record = {"cycle": selection.cycle, "champion": champion_uri, "challenger": challenger_uri,
                   "promoted": verdict.promote, "verdict": verdict.text(), "counts": selection.counts, "figures": figures,
                   "seconds": seconds, "mlflow_run_id": run.info.run_id, "cycle_dir": str(out),
-                  "rankings": {split: str(rk.directory) for split, rk in new.items()}, "config": dataclasses.asdict(r)}
+                  "rankings": {split: str(rk.directory) for split, rk in new.items()}, "config": dataclasses.asdict(r),
+                  # each model's order of every held-out traffic slate, by slate id (what the figures were computed on)
+                  "traffic_orders": {who: {i.slate.slate_id: order for i, order in zip(held, p[len(test):])}
+                                     for who, p in perms.items()}}
         (out / "cycle.json").write_text(json.dumps(record, indent=2))
         mlflow.log_artifact(str(out / "cycle.json"))
     return record

@@ -24,6 +24,8 @@ import mlflow  # noqa: E402
 import pandas as pd  # noqa: E402
 from mlflow.models import infer_signature  # noqa: E402
 
+from hllm.flywheel import registry_alias  # noqa: E402
+
 ARTIFACT = "student"  # the student folder's name inside the logged model's artifacts
 MODEL_NAME = "student_model"  # the logged model's name in its run
 
@@ -72,7 +74,7 @@ def log_student(student_dir: str | Path, registered_name: str | None = None, ali
 
 def pin(uri: str) -> str:
     """`models:/NAME@ALIAS` -> `models:/NAME/VERSION`, the version the alias points at now."""
-    name, _, alias = uri.removeprefix("models:/").partition("@")
+    name, alias = registry_alias(uri)
     return f"models:/{name}/{mlflow.MlflowClient().get_model_version_by_alias(name, alias).version}"
 
 

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve import Application
 
+from hllm.flywheel import registry_alias
 from hllm.prompts import EncodedPrompt
 from hllm.reranker import UNKNOWN_TOKEN_WARNING, vocabulary_warning
 from hllm.traffic import TrafficLogConfig
@@ -124,14 +125,10 @@ class Served:
     model_key: str  # its prompt and vocabulary (hllm.traffic.model_key)
 
 
-def is_alias(model: str) -> bool:
-    return model.startswith("models:/") and "@" in model
-
-
 def pinned_model(model: str) -> str:
     """`models:/NAME@ALIAS` -> `models:/NAME/VERSION` the alias points at now (what is loaded is what
     is named); any other model as it is."""
-    if not is_alias(model):
+    if registry_alias(model) is None:
         return model
     from pipelines.registry import pin
 
@@ -298,7 +295,7 @@ class RerankDeployment:
 
             self.traffic = TrafficLog(self.args.traffic_log, cut=lambda docs: self.served.reranker.cut_documents(docs),
                                       writer=_replica_name())
-        if self.args.alias_poll_s and is_alias(self.args.model):
+        if self.args.alias_poll_s and registry_alias(self.args.model):
             threading.Thread(target=self._watch_alias, name="hllm-alias-watch", daemon=True).start()
 
     def _load(self, uri: str) -> "Served":

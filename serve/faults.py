@@ -43,6 +43,44 @@ def running_replicas(app: str, deployment: str) -> int:
     return int(status.deployments[deployment].replica_states.get("RUNNING", 0))
 
 
+class ClosedLoopLoad:
+    """`clients` threads, each sending one request (cycling through `bodies`), waiting for it,
+    pausing `pause_s`, and again, until the `with` block ends: the offered load stays bounded
+    whatever happens to latency. `record(done, ms, response, error)` runs under `self.lock` for
+    every request; a request failed when it raised or returned a non-200 (`error` says which)."""
+
+    def __init__(self, url: str, bodies: list[dict], record, clients: int = 2, pause_s: float = 0.02):
+        self.url, self.bodies, self.record, self.pause_s = url, bodies, record, pause_s
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def _client(self, offset: int) -> None:
+        session, k = requests.Session(), offset
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            response, error = None, None
+            try:
+                response = session.post(self.url, json=self.bodies[k % len(self.bodies)], timeout=60)
+                error = None if response.status_code == 200 else f"HTTP {response.status_code}"
+            except requests.RequestException as err:
+                error = type(err).__name__
+            k += 1
+            done = time.perf_counter()
+            with self.lock:
+                self.record(done, 1000 * (done - t0), response, error)
+            time.sleep(self.pause_s)
+
+    def __enter__(self) -> "ClosedLoopLoad":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=70)
+
+
 @dataclass
 class DrillResult:
     requests: int = 0
@@ -69,53 +107,35 @@ def kill_replica_under_load(url: str, body: dict, app: str, deployment: str, tar
                             recovery_timeout_s: float = 120.0) -> DrillResult:
     """Runs the drill against a deployed app; the load runs at least `duration_s` and until recovery."""
     result = DrillResult()
-    lock = threading.Lock()
-    stop = threading.Event()
     t_kill: list[float] = []
 
-    def client() -> None:
-        session = requests.Session()
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            try:
-                response = session.post(url, json=body, timeout=60)
-                error = None if response.status_code == 200 else f"HTTP {response.status_code}"
-            except requests.RequestException as err:
-                error = type(err).__name__
-            elapsed = time.perf_counter() - t0
-            with lock:
-                result.requests += 1
-                if error:
-                    result.failed += 1
-                    result.errors[error] = result.errors.get(error, 0) + 1
-                    result.failure_times_s.append(time.perf_counter() - t_kill[0] if t_kill else -1.0)
-                else:
-                    result.latency_ms.append(1000 * elapsed)
-            time.sleep(pause_s)
+    def record(done: float, ms: float, response, error: str | None) -> None:
+        result.requests += 1
+        if error:
+            result.failed += 1
+            result.errors[error] = result.errors.get(error, 0) + 1
+            result.failure_times_s.append(done - t_kill[0] if t_kill else -1.0)
+        else:
+            result.latency_ms.append(ms)
 
     before = replica_processes(app, deployment)
     if len(before) != target_replicas:
         raise RuntimeError(f"expected {target_replicas} replica processes of {app}:{deployment}, found {len(before)}")
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     start = time.perf_counter()
-    for t in threads:
-        t.start()
-    time.sleep(kill_after_s)
-    victim = before[0]
-    result.killed_pid = victim.pid
-    t_kill.append(time.perf_counter())
-    os.kill(victim.pid, signal.SIGKILL)
-    while time.perf_counter() - t_kill[0] < recovery_timeout_s:
-        alive = [p.pid for p in replica_processes(app, deployment)]
-        if (victim.pid not in alive and len(alive) == target_replicas
-                and running_replicas(app, deployment) == target_replicas):
-            result.recovery_s = time.perf_counter() - t_kill[0]
-            break
-        time.sleep(0.1)
-    time.sleep(max(0.0, duration_s - (time.perf_counter() - start)))
-    stop.set()
-    for t in threads:
-        t.join(timeout=70)
+    with ClosedLoopLoad(url, [body], record, clients, pause_s):
+        time.sleep(kill_after_s)
+        victim = before[0]
+        result.killed_pid = victim.pid
+        t_kill.append(time.perf_counter())
+        os.kill(victim.pid, signal.SIGKILL)
+        while time.perf_counter() - t_kill[0] < recovery_timeout_s:
+            alive = [p.pid for p in replica_processes(app, deployment)]
+            if (victim.pid not in alive and len(alive) == target_replicas
+                    and running_replicas(app, deployment) == target_replicas):
+                result.recovery_s = time.perf_counter() - t_kill[0]
+                break
+            time.sleep(0.1)
+        time.sleep(max(0.0, duration_s - (time.perf_counter() - start)))
     return result
 
 
@@ -140,54 +160,34 @@ class SwapResult:
 
 def swap_under_load(url: str, bodies: list[dict], trigger, new_version: str, clients: int = 2, pause_s: float = 0.02,
                     before_s: float = 2.0, timeout_s: float = 180.0, after_s: float = 3.0) -> SwapResult:
-    """Closed-loop load (as `kill_replica_under_load`) on `url`, cycling through `bodies`; after
+    """Closed-loop load (`ClosedLoopLoad`) on `url`, cycling through `bodies`; after
     `before_s`, `trigger()` (e.g. move a registry alias); the load runs until every answer for
     `after_s` came from `new_version` (meta.model_version), or `timeout_s`."""
-    result, lock, stop = SwapResult(), threading.Lock(), threading.Event()
+    result = SwapResult()
     t_trigger: list[float] = []
     answers: list[tuple[float, str]] = []  # (time, version) of every 200
 
-    def client(offset: int) -> None:
-        session, k = requests.Session(), offset
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            version, error = None, None
-            try:
-                response = session.post(url, json=bodies[k % len(bodies)], timeout=60)
-                if response.status_code == 200:
-                    version = response.json()["meta"].get("model_version")
-                else:
-                    error = f"HTTP {response.status_code}"
-            except requests.RequestException as err:
-                error = type(err).__name__
-            k += 1
-            done = time.perf_counter()
-            with lock:
-                result.requests += 1
-                if error:
-                    result.failed += 1
-                    result.errors[error] = result.errors.get(error, 0) + 1
-                else:
-                    result.versions[str(version)] = result.versions.get(str(version), 0) + 1
-                    answers.append((done, str(version)))
-                    result.latency_ms.append((done - t_trigger[0] if t_trigger else -1.0, 1000 * (done - t0)))
-            time.sleep(pause_s)
+    def record(done: float, ms: float, response, error: str | None) -> None:
+        result.requests += 1
+        if error:
+            result.failed += 1
+            result.errors[error] = result.errors.get(error, 0) + 1
+            return
+        version = str(response.json()["meta"].get("model_version"))
+        result.versions[version] = result.versions.get(version, 0) + 1
+        answers.append((done, version))
+        result.latency_ms.append((done - t_trigger[0] if t_trigger else -1.0, ms))
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
-    for t in threads:
-        t.start()
-    time.sleep(before_s)
-    t_trigger.append(time.perf_counter())
-    trigger()
-    while time.perf_counter() - t_trigger[0] < timeout_s:
-        with lock:
-            old = [t for t, v in answers if v != new_version]
-            new = [t for t, v in answers if v == new_version and (not old or t > max(old))]
-        if new and time.perf_counter() - new[0] >= after_s:
-            result.swap_s = new[0] - t_trigger[0]
-            break
-        time.sleep(0.1)
-    stop.set()
-    for t in threads:
-        t.join(timeout=70)
+    with ClosedLoopLoad(url, bodies, record, clients, pause_s) as load:
+        time.sleep(before_s)
+        t_trigger.append(time.perf_counter())
+        trigger()
+        while time.perf_counter() - t_trigger[0] < timeout_s:
+            with load.lock:
+                old = [t for t, v in answers if v != new_version]
+                new = [t for t, v in answers if v == new_version and (not old or t > max(old))]
+            if new and time.perf_counter() - new[0] >= after_s:
+                result.swap_s = new[0] - t_trigger[0]
+                break
+            time.sleep(0.1)
     return result
