@@ -15,9 +15,15 @@ model's own code made them, then the body stops: no private model internals are 
 except the one layer's arithmetic, which exists for the decoder-layer classes in
 `LAST_LAYER_AT_ITEMS` (Llama-style: pre-norm, rotary attention with grouped KV heads, gated MLP).
 Other architectures take the full prefill.
+
+`pooled_item_states` reads each candidate otherwise (`POOLINGS`): the mean of its own tokens' states
+(`mean`), or that beside the last token's (`last+mean`, 2D wide). A mean needs the last layer at every
+passage token, so that path runs the whole body (one layer more than the items-only path, of ~20-30).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
@@ -91,3 +97,49 @@ def item_hidden_states(body: nn.Module, input_ids: torch.Tensor, attention_mask:
     finally:
         handle.remove()
     return body.norm(hidden)  # (B, N, D)
+
+
+# how a candidate's states become what the head reads: the parts, concatenated in this order, each
+# through the final norm. `last`: its last token (the paper's); `mean`: the mean over its own tokens
+POOLINGS: dict[str, tuple[str, ...]] = {"last": ("last",), "mean": ("mean",), "last+mean": ("last", "mean")}
+Pooling = Literal["last", "mean", "last+mean"]
+
+
+def span_means(h: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """(B, T, D) states, (B, N, 2) [start, stop) spans -> (B, N, D) the mean state over each span."""
+    t = torch.arange(h.shape[1], device=h.device)  # (T,)
+    inside = (t >= spans[..., :1]) & (t < spans[..., 1:])  # (B, N, T)
+    weights = inside.to(h.dtype) / inside.sum(-1, keepdim=True).clamp_min(1).to(h.dtype)  # (B, N, T)
+    return weights @ h  # (B, N, D)
+
+
+def _last_layer_output(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, T, D) the last decoder layer's output at every token, before the final norm."""
+    out: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, output):
+        out["h"] = output[0] if isinstance(output, tuple) else output
+
+    handle = body.layers[-1].register_forward_hook(keep)
+    try:
+        body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        handle.remove()
+    return out["h"]
+
+
+def pooled_item_states(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
+                       item_spans: torch.Tensor | None, pooling: Pooling = "last") -> torch.Tensor:
+    """(B, T) prompt, (B, N) item positions, (B, N, 2) item spans -> (B, N, P * D) what the head reads,
+    P = len(POOLINGS[pooling]). `last` is `item_hidden_states` (the items-only last layer)."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; one of {sorted(POOLINGS)}")
+    if pooling == "last":
+        return item_hidden_states(body, input_ids, attention_mask, item_positions)
+    if item_spans is None:
+        raise ValueError(f"pooling {pooling!r} needs item_spans (hllm.prompts.collate makes them)")
+    read = int(torch.maximum(item_positions.max(), item_spans[..., 1].max() - 1)) + 1  # causal: nothing later matters
+    h = _last_layer_output(body, input_ids[:, :read], attention_mask[:, :read])  # (B, T', D)
+    rows = torch.arange(len(h), device=h.device)[:, None]  # (B, 1)
+    parts = {"last": lambda: h[rows, item_positions], "mean": lambda: span_means(h, item_spans)}  # (B, N, D) each
+    return torch.cat([body.norm(parts[p]()) for p in POOLINGS[pooling]], dim=-1)  # (B, N, P * D)

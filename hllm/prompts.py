@@ -13,7 +13,7 @@ so its tokens are exact).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import jinja2
@@ -86,6 +86,9 @@ class EncodedPrompt:
     query_truncated: bool = False
     content_tokens: int = 0  # tokens of the query and the documents as shown
     unknown_tokens: int = 0  # of those, the tokenizer's unknown token (words outside its vocabulary)
+    # (N,) [start, stop) of each candidate's own tokens (its text as shown, without identifier or restated
+    # query): what a `mean` pooling averages; a candidate cut to no tokens spans its last token
+    item_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class PromptTooLong(ValueError):
@@ -165,17 +168,20 @@ class PromptBuilder:
         if max_doc_tokens is not None:
             budget = min(budget, max_doc_tokens)
         docs = self.tokenizer([" " + d for d in documents], add_special_tokens=False)["input_ids"]
-        ids, positions, cut = list(head), [], 0
+        ids, positions, spans, cut = list(head), [], [], 0
         for i, doc in enumerate(docs, start=1):
             cut += len(doc) > budget
-            ids += doc[:budget] + self.id_tokens(i) if template.label_after else self.id_tokens(i) + doc[:budget]
+            text = doc[:budget]
+            start = len(ids) + (0 if template.label_after else len(self.id_tokens(i)))
+            ids += text + self.id_tokens(i) if template.label_after else self.id_tokens(i) + text
             ids += restated
             positions.append(len(ids) - 1)
+            spans.append((start, start + len(text)) if text else (positions[-1], positions[-1] + 1))
             ids += self._newline
         shown = query_ids[: self.cfg.max_query_tokens], *(doc[:budget] for doc in docs)  # the query's and documents' tokens
         unk = self.tokenizer.unk_token_id
         unknown = sum(part.count(unk) for part in shown) if unk is not None else 0
-        return EncodedPrompt(ids + tail, positions, cut, query_truncated, sum(map(len, shown)), unknown)
+        return EncodedPrompt(ids + tail, positions, cut, query_truncated, sum(map(len, shown)), unknown, spans)
 
 
 def document_text(candidate: Candidate) -> str:
@@ -186,8 +192,9 @@ def document_text(candidate: Candidate) -> str:
 def collate(prompts: list[EncodedPrompt], pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
     """Pads token and item dimensions. Left padding (for generation) shifts item positions.
 
-    Returns input_ids (B, T), attention_mask (B, T), item_positions (B, N), item_mask (B, N);
-    padded items point at token 0 and are masked out.
+    Returns input_ids (B, T), attention_mask (B, T), item_positions (B, N), item_mask (B, N) and
+    item_spans (B, N, 2) ([start, stop) of each candidate's own tokens); padded items point at token 0
+    (span [0, 1)) and are masked out.
     """
     t_max = max(len(p.input_ids) for p in prompts)
     n_max = max(len(p.item_positions) for p in prompts)
@@ -196,6 +203,8 @@ def collate(prompts: list[EncodedPrompt], pad_id: int, padding_side: str = "righ
     attention_mask = torch.zeros((b, t_max), dtype=torch.long)  # (B, T)
     item_positions = torch.zeros((b, n_max), dtype=torch.long)  # (B, N)
     item_mask = torch.zeros((b, n_max), dtype=torch.bool)  # (B, N)
+    item_spans = torch.zeros((b, n_max, 2), dtype=torch.long)  # (B, N, 2)
+    item_spans[:, :, 1] = 1
     for row, p in enumerate(prompts):
         t, n = len(p.input_ids), len(p.item_positions)
         offset = t_max - t if padding_side == "left" else 0
@@ -203,5 +212,7 @@ def collate(prompts: list[EncodedPrompt], pad_id: int, padding_side: str = "righ
         attention_mask[row, offset: offset + t] = 1
         item_positions[row, :n] = torch.tensor(p.item_positions) + offset
         item_mask[row, :n] = True
+        spans = p.item_spans or [(q, q + 1) for q in p.item_positions]  # a prompt built without spans: the last token
+        item_spans[row, :n] = torch.tensor(spans) + offset
     return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "item_positions": item_positions, "item_mask": item_mask}
+            "item_positions": item_positions, "item_mask": item_mask, "item_spans": item_spans}

@@ -27,7 +27,7 @@ from torch import nn
 
 from hllm.config import from_dict, to_dict
 from hllm.heads import HeadConfig, build_head
-from hllm.item_states import item_hidden_states
+from hllm.item_states import POOLINGS, Pooling, pooled_item_states
 from hllm.models import ModelConfig, load_backbone, save_backbone, weights_dir
 from hllm.prompts import PromptBuilder, PromptConfig
 
@@ -77,6 +77,9 @@ class RankerConfig:
     # the head reads the states after this many decoder layers (the backbone is cut there: the layers
     # above are never run); None: all of them. A frozen LM often keeps relevance in its middle layers
     state_layer: int | None = None
+    # what the head reads of each candidate (hllm.item_states.POOLINGS): its last token's state (the
+    # paper's), the mean over its own tokens, or both side by side (the head's input is then 2D wide)
+    pooling: Pooling = "last"
     # the list size the model ranks in one pass by default (`Reranker.load`, `hllm rerank`); longer
     # lists go in windows of this many. None: the head's K
     window: int | None = None
@@ -129,7 +132,8 @@ class SinglePassRanker(nn.Module):
     def new_head(self) -> nn.Module:
         """An untrained head for this backbone (its width and dtype), as `self.cfg.head` describes it."""
         lm = _causal_lm(self.backbone)
-        return build_head(lm.config.hidden_size, self.cfg.head).to(next(lm.parameters()).dtype)
+        width = lm.config.hidden_size * len(POOLINGS[self.cfg.pooling])  # (P * D): the pooled parts side by side
+        return build_head(width, self.cfg.head).to(next(lm.parameters()).dtype)
 
     @classmethod
     def build(cls, cfg: RankerConfig) -> "SinglePassRanker":
@@ -145,14 +149,17 @@ class SinglePassRanker(nn.Module):
         return self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
-                item_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) prompts, (B, N) item positions -> (B, N, K) item-position logits. The last decoder
-        layer runs at the N item positions only (`hllm.item_states`): the same states, less work."""
-        return self.score_states(self.item_states(input_ids, attention_mask, item_positions), item_mask)
+                item_mask: torch.Tensor, item_spans: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) prompts, (B, N) item positions, (B, N) mask, (B, N, 2) item spans (for a `mean` pooling)
+        -> (B, N, K) item-position logits. With the `last` pooling the last decoder layer runs at the N
+        item positions only (`hllm.item_states`): the same states, less work."""
+        return self.score_states(self.item_states(input_ids, attention_mask, item_positions, item_spans), item_mask)
 
-    def item_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor) -> torch.Tensor:
-        """(B, T) prompts, (B, N) item positions -> (B, N, D): what the head reads (and `hllm.state_cache` keeps)."""
-        return item_hidden_states(self.body, input_ids, attention_mask, item_positions)
+    def item_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
+                    item_spans: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) prompts, (B, N) item positions, (B, N, 2) spans -> (B, N, P * D): what the head reads (and
+        `hllm.state_cache` keeps), pooled as `cfg.pooling` says."""
+        return pooled_item_states(self.body, input_ids, attention_mask, item_positions, item_spans, self.cfg.pooling)
 
     def score_states(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         """(B, N, D) item states, (B, N) mask -> (B, N, K) item-position logits: the head alone."""

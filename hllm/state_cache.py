@@ -3,12 +3,12 @@
 With a frozen backbone (`adapt.mode: frozen`) the states the head reads never change while it
 trains, so the prefill — nearly all of the cost (a 135M model: ~10 s for a 100-passage prompt on
 2 cores, the head ~1 ms) — runs once per slate instead of once per slate per epoch. The states go
-to a folder in shards (`shard-00000.safetensors`, one tensor per slate, float32 (N, D)), written
+to a folder in shards (`shard-00000.safetensors`, one tensor per slate, float32 (N, P * D)), written
 atomically as they are computed, so an interrupted run resumes at the first missing shard.
 
 The folder is bound to one key (`states_key`): the backbone (preset, path, dtype, the weights' id),
-where it is cut (`state_layer`), the prompt config, and every slate's query, documents and order.
-A folder made under another key is refused with `StaleStates`, never read: states of another
+where it is cut (`state_layer`), how each candidate is read (`pooling`), the prompt config, and every
+slate's query, documents and order. A folder made under another key is refused with `StaleStates`, never read: states of another
 model, prompt or candidate list would train a head on what it will never see.
 """
 
@@ -44,7 +44,7 @@ def states_key(rcfg: RankerConfig, slates: Sequence[RerankRequest]) -> str:
         raise ValueError(f"item states can be cached only for a frozen backbone (adapt.mode=frozen), "
                          f"not {rcfg.adapt.mode!r}: its states change as it trains")
     content = [(s.slate_id, s.query.text, [(c.docid, document_text(c)) for c in s.candidates]) for s in slates]
-    return fingerprint(rcfg.model, weights_id(rcfg.model), rcfg.state_layer, rcfg.prompt, content)
+    return fingerprint(rcfg.model, weights_id(rcfg.model), rcfg.state_layer, rcfg.pooling, rcfg.prompt, content)
 
 
 def _bind(directory: Path, key: str, slates: int, shard_slates: int) -> None:
@@ -73,7 +73,8 @@ def compute_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], ba
         chunk = slates[start: start + batch_size]
         batch = collate([ranker.prompts.encode(s, with_answer=False) for s in chunk], ranker.tokenizer.pad_token_id)
         batch = {k: v.to(ranker.device) for k, v in batch.items()}
-        states = ranker.item_states(batch["input_ids"], batch["attention_mask"], batch["item_positions"])  # (B, N, D)
+        states = ranker.item_states(batch["input_ids"], batch["attention_mask"], batch["item_positions"],
+                                    batch["item_spans"])  # (B, N, P * D)
         out += [states[row, : len(s.candidates)].float().cpu() for row, s in enumerate(chunk)]
     return out
 

@@ -219,7 +219,7 @@ def padded_targets(perms: Sequence[list[int] | None], grades: Sequence[Sequence[
 
 def student_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_cfg: LossConfig):
     """-> (loss, {term: value}). `model` is a SinglePassRanker (or a DeepSpeed engine around one)."""
-    logits = model(batch["input_ids"], batch["attention_mask"], batch["item_positions"], batch["item_mask"])
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["item_positions"], batch["item_mask"], batch["item_spans"])
     return mixed_loss(logits, batch["item_mask"], loss_cfg.terms, perm=batch["perm"], grades=batch["grades"])
 
 
