@@ -6,13 +6,14 @@ queries and tested on another's, then (optionally) fitted on all of them and shi
 
 A recipe over the library's stages: every collection's top-`top_n` list is encoded as one prompt
 (`ranker.prompt`, passages cut to `prompt.max_doc_tokens`) and its item states are computed once
-by the frozen backbone, cut at `ranker.state_layer` (`hllm.state_cache`). The head, under a
-first-stage prior (`head.prior`), is fitted on them by SGD (`fit: sgd`, its step count chosen by
-k-fold cross-validation over the training year's queries, `hllm.head_fit`) or in closed form
-(`fit: ridge`, a utility probe whose L2 weight and prior scale the same cross-validation chooses);
-never on the test year. Each fold reports, on every query of its test collection, the first stage
-and the student on the same candidates — the whole top `top_n` reranked in one pass, as `hllm
-rerank` does with this model (its `window` is `top_n`). Means over queries, and over `seeds`.
+by the frozen backbone, cut at `ranker.state_layer` and read as `ranker.pooling` (`hllm.state_cache`,
+`hllm.item_states.POOLINGS`). The head, under a first-stage prior (`head.prior`), is fitted on them
+by SGD (`fit: sgd`, its step count chosen by k-fold cross-validation over the training year's
+queries, `hllm.head_fit`) or in closed form (`fit: ridge`, a utility probe whose L2 weight and
+prior scale the same cross-validation chooses); never on the test year. Each fold reports, on every
+query of its test collection, the first stage and the student on the same candidates — the whole
+top `top_n` reranked in one pass, as `hllm rerank` does with this model (its `window` is `top_n`).
+Means over queries, and over `seeds`.
 
 `ship_to` fits the head once more on every judged query of `ship_on` and saves it as a student
 folder (`Reranker.load`) with a model card and `provenance.json`, checked on the `transfer`
@@ -294,6 +295,7 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
                          "student": measure(ranker, t_items, cfg.rel)})
     write_model_card(target, {
         "base_model": f"{cfg.ranker.model.preset} (frozen, cut after decoder layer {cfg.ranker.state_layer})",
+        "pooling": cfg.ranker.pooling,
         "teacher": "none: trained on graded relevance labels (TREC qrels), not distilled",
         "training_data": {"collections": [collection_name(p) for p in cfg.ship_on], "top_n": cfg.top_n,
                           "train_queries": record["train_queries"], "val_queries": record["val_queries"]},

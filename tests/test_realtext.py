@@ -31,7 +31,8 @@ def tiny_config(tmp_path: Path, **extra) -> RealTextConfig:
     return cfg
 
 
-RIDGE = {"fit": "ridge", "cv_folds": 2, "ranker.head.kind": "utility", "ranker.head.prior": "logrank", "seeds": "[0]"}
+RIDGE = {"fit": "ridge", "cv_folds": 2, "ranker.head.kind": "utility", "ranker.head.prior": "logrank", "seeds": "[0]",
+         "ranker.pooling": "last+mean"}  # the shipped recipe's shape
 
 
 @pytest.mark.parametrize("fit", ["sgd", "ridge"])

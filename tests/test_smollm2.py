@@ -60,7 +60,7 @@ def test_the_named_real_text_student_loads_by_name_and_matches_its_provenance():
         assert file_sha256(folder / name) == digest, name
     assert provenance["base_model"]["sha256"] == file_sha256(smollm2_gguf_path())  # the base the wheel installs
     reranker = Reranker.load("smollm2-trec-dl")
-    assert reranker.default_window == 100 and len(reranker.model.body.layers) == 20
+    assert reranker.default_window == 100 and len(reranker.model.body.layers) == 16 and reranker.model.cfg.pooling == "last+mean"
     docs = ["The aurora is caused by charged solar particles hitting the upper atmosphere.",
             "Northern Lights is a brand of lamps.", "Tomato pasta with basil.", "Auroras appear near the poles."]
     ranked = reranker.rank("what causes the northern lights", docs)
