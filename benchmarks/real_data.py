@@ -92,7 +92,7 @@ def write(rows: list[dict], out: Path, text: str) -> None:
 
 def table(rows: list[dict]) -> list[str]:
     return ["| " + " | ".join(FIELDS) + " |", "| --- | ---: | --- | --- | ---: | ---: |"] + [
-        "| " + " | ".join(str(r[k]) for k in FIELDS) + " |" for r in rows]
+        "| " + " | ".join(f"{r[k]:.4f}" if isinstance(r[k], float) else str(r[k]) for k in FIELDS) + " |" for r in rows]
 
 
 def main() -> None:
