@@ -114,7 +114,8 @@ def main() -> None:
         r = cfg["ranker"]
         sections += [
             f"Run `{args.cross_year}` (`hllm.realtext`): {r['model']['preset']} frozen, cut after decoder layer "
-            f"{r['state_layer']}, each passage read as `{r.get('pooling', 'last')}` (hllm.item_states.POOLINGS); prompt `{r['prompt']['template']}`; {r['head']['kind']} head with the first-stage prior "
+            f"{r['state_layer']}, each passage read as `{r.get('pooling', 'last')}` (hllm.item_states.POOLINGS); "
+            f"prompt `{r['prompt']['template']}`; {r['head']['kind']} head with the first-stage prior "
             f"({r['head']['prior']}), fitted on graded qrels over cached item states "
             + ("in closed form (ridge)" if cfg["fit"] == "ridge" else f"by SGD ({', '.join(cfg['loss']['terms'])})")
             + f". Every query's BM25 top {cfg['top_n']} is reranked in one pass (one prompt, passages cut to "

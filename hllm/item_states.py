@@ -18,7 +18,7 @@ Other architectures take the full prefill.
 
 `pooled_item_states` reads each candidate otherwise (`POOLINGS`): the mean of its own tokens' states
 (`mean`), or that beside the last token's (`last+mean`, 2D wide). A mean needs the last layer at every
-passage token, so that path runs the whole body (one layer more than the items-only path, of ~20-30).
+passage token, so that path runs the whole body: the last layer over all T tokens instead of N.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ atomically as they are computed, so an interrupted run resumes at the first miss
 
 The folder is bound to one key (`states_key`): the backbone (preset, path, dtype, the weights' id),
 where it is cut (`state_layer`), how each candidate is read (`pooling`), the prompt config, and every
-slate's query, documents and order. A folder made under another key is refused with `StaleStates`, never read: states of another
-model, prompt or candidate list would train a head on what it will never see.
+slate's query, documents and order. A folder made under another key is refused with `StaleStates`,
+never read: states of another model, prompt or candidate list would train a head on what it will
+never see.
 """
 
 from __future__ import annotations
