@@ -61,12 +61,13 @@ def prompt(n: int, doc_tokens: int, vocab: int, seed: int) -> EncodedPrompt:
     """A RankGPT-shaped prompt: ~60 instruction tokens, n passages of `doc_tokens` (+3 for "[i]"), ~40 after."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(100, vocab, (60,), generator=g).tolist()
-    positions = []
+    positions, spans = [], []
     for _ in range(n):
         ids += torch.randint(100, vocab, (doc_tokens + 3,), generator=g).tolist()
         positions.append(len(ids) - 1)
+        spans.append((len(ids) - doc_tokens, len(ids)))  # the passage after its identifier
     ids += torch.randint(100, vocab, (40,), generator=g).tolist()
-    return EncodedPrompt(ids, positions)
+    return EncodedPrompt(ids, positions, item_spans=spans)
 
 
 def timed_ms(fn, device: torch.device, repeats: int) -> float:

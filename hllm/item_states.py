@@ -141,5 +141,5 @@ def pooled_item_states(body: nn.Module, input_ids: torch.Tensor, attention_mask:
     read = int(torch.maximum(item_positions.max(), item_spans[..., 1].max() - 1)) + 1  # causal: nothing later matters
     h = _last_layer_output(body, input_ids[:, :read], attention_mask[:, :read])  # (B, T', D)
     rows = torch.arange(len(h), device=h.device)[:, None]  # (B, 1)
-    parts = {"last": lambda: h[rows, item_positions], "mean": lambda: span_means(h, item_spans)}  # (B, N, D) each
-    return torch.cat([body.norm(parts[p]()) for p in POOLINGS[pooling]], dim=-1)  # (B, N, P * D)
+    parts = {"last": h[rows, item_positions], "mean": span_means(h, item_spans)}  # (B, N, D) each
+    return torch.cat([body.norm(parts[p]) for p in POOLINGS[pooling]], dim=-1)  # (B, N, P * D)

@@ -212,7 +212,8 @@ def collate(prompts: list[EncodedPrompt], pad_id: int, padding_side: str = "righ
         attention_mask[row, offset: offset + t] = 1
         item_positions[row, :n] = torch.tensor(p.item_positions) + offset
         item_mask[row, :n] = True
-        spans = p.item_spans or [(q, q + 1) for q in p.item_positions]  # a prompt built without spans: the last token
-        item_spans[row, :n] = torch.tensor(spans) + offset
+        if len(p.item_spans) != n:
+            raise ValueError(f"prompt {row}: {len(p.item_spans)} item spans for {n} items (build prompts with PromptBuilder)")
+        item_spans[row, :n] = torch.tensor(p.item_spans) + offset
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "item_positions": item_positions, "item_mask": item_mask, "item_spans": item_spans}

@@ -1,6 +1,7 @@
 """How the head reads a candidate: its last token, the mean over its own tokens, or both (`RankerConfig.pooling`)."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -121,3 +122,10 @@ def test_a_documents_empty_text_reads_its_last_token(tiny_backbone):
     enc = PromptBuilder(tok, PromptConfig(), 512).encode(req, with_answer=False)
     start, stop = enc.item_spans[1]
     assert stop > start and stop <= enc.item_positions[1] + 1
+
+
+def test_collate_refuses_a_prompt_without_its_item_spans(tiny_backbone, small_splits):
+    _, tok = tiny_backbone
+    enc = PromptBuilder(tok, PromptConfig(), 512).encode(small_splits["test"][0], with_answer=False)
+    with pytest.raises(ValueError, match="item spans"):
+        collate([dataclasses.replace(enc, item_spans=[])], tok.pad_token_id)
