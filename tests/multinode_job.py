@@ -27,9 +27,11 @@ def main(out: str, overrides: list[str]) -> None:
         with result.checkpoint.as_directory() as d:
             train_nodes = sorted({p.read_text() for p in Path(d).glob("node.rank*")})
         import ray
-        print(json.dumps({"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-                          "teacher_nodes": sorted({i.ranking.node for i in rankings["train"].items}), "train_nodes": train_nodes,
-                          "steps": result.metrics["step"]}))
+        result_doc = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
+                      "teacher_nodes": sorted({i.ranking.node for i in rankings["train"].items}),
+                      "train_nodes": train_nodes, "steps": result.metrics["step"]}
+        # To a file, not stdout: Ray workers' log lines reach this process's stdout in any order.
+        (Path(out) / "result.json").write_text(json.dumps(result_doc))
     finally:
         import ray
 

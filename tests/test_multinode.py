@@ -23,7 +23,7 @@ def test_teacher_actors_and_train_workers_use_both_nodes(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode_job.py"), str(tmp_path), *overrides],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads((tmp_path / "result.json").read_text())
     assert len(out["nodes"]) == 2
     assert out["teacher_nodes"] == out["nodes"], "teacher actors did not spread over both nodes"
     assert out["train_nodes"] == out["nodes"], "training workers did not spread over both nodes"
