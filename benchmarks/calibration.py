@@ -4,7 +4,7 @@
 
 For each finished job folder: its student's calibration (fitted by the job on the val split; fitted
 here the same way, and said, for a student saved before calibration existed), evaluated on the job's
-test split (`hllm.calibration.calibration_report`). Writes `reports/calibration.md` (ECE, items,
+test split (`hllm.model.calibration.calibration_report`). Writes `reports/calibration.md` (ECE, items,
 queries, base rate per job, and the bins) and `reports/calibration.png` (the reliability diagram).
 """
 
@@ -14,11 +14,11 @@ import argparse
 import json
 from pathlib import Path
 
-from hllm.calibration import Calibrator
 from hllm.config import from_dict
+from hllm.data.splits import load_splits
+from hllm.model.calibration import Calibrator
+from hllm.recipes.stages import calibrate_student, calibration_on
 from hllm.reranker import Reranker
-from hllm.splits import load_splits
-from hllm.stages import calibrate_student, calibration_on
 from pipelines.common import PipelineConfig
 from pipelines.reports import plot_reliability
 

@@ -30,8 +30,8 @@ TITLE = "The data flywheel: shifted traffic, one cycle, the swap"
 def shifted_traffic(n: int, seed: int):
     """New queries over a relaunched catalogue (another generator seed, the same vocabulary), their
     candidates in an order that carries no relevance (shuffled: the new first stage)."""
+    from hllm.data.synthetic import SyntheticConfig, generate
     from hllm.records import RerankRequest
-    from hllm.synthetic import SyntheticConfig, generate
 
     splits, _ = generate(SyntheticConfig(seed=seed, train_slates=n, val_slates=1, test_slates=1))
     rng, out = random.Random(seed), []
@@ -63,10 +63,10 @@ def true_label_figures(record: dict, truth: dict) -> dict[str, float]:
     import numpy as np
     from scipy import stats
 
-    from hllm import store
-    from hllm.evaluation import quality
-    from hllm.metrics import ir_metrics_per_query
-    from hllm.traffic import request_key
+    from hllm.data import store
+    from hllm.data.traffic import request_key
+    from hllm.eval.evaluation import quality
+    from hllm.eval.metrics import ir_metrics_per_query
 
     items = store.read_rankings(record["rankings"]["test"])
     slates = [dataclasses.replace(i.slate, grades=truth[request_key(i.slate.query.text, [c.text for c in i.slate.candidates])])
@@ -90,7 +90,7 @@ def main() -> None:
 
     from bench import local_ray, write_report  # benchmarks/ is on sys.path when run as a script
     from hllm.config import load_config
-    from hllm.traffic import request_key
+    from hllm.data.traffic import request_key
     from pipelines import refresh
     from pipelines.common import PipelineConfig, mlflow_run, tracking_uri
     from pipelines.registry import log_student, pin, promote
@@ -202,7 +202,7 @@ def report(args, record: dict, q: dict, swap: dict, with_log: list[float], witho
                                                                    "traffic.top1_agreement", "traffic.nDCG@10_vs_teacher")],
         "", "`original.*`: the job's test split (true labels; agreement with the teacher's rankings); `traffic.*`: the "
         "held-out new traffic against the teacher's rankings (Kendall tau, top-1, nDCG@10 with graded pseudo-labels from "
-        "the teacher's ranking, `hllm.flywheel.pseudo_grades`).", "",
+        "the teacher's ranking, `hllm.recipes.flywheel.pseudo_grades`).", "",
         "**The cycle's wall time on 2 cores** (one run): " + ", ".join(f"{k} {v:.0f} s" for k, v in s.items())
         + f"; {sum(s.values()):.0f} s in all (labelling: the teacher on {c['slates']} slates through the Ray Data actor "
         f"pool; fine-tuning: Ray Train, 2 DeepSpeed ZeRO-2 workers, {args.steps} steps of 16 slates).", "",

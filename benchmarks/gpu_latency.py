@@ -26,10 +26,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, with or without an install
 
-from hllm.heads import HeadConfig  # noqa: E402
-from hllm.models import build_tiny_tokenizer  # noqa: E402
-from hllm.prompts import EncodedPrompt, PromptConfig  # noqa: E402
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noqa: E402
+from hllm.model.backbones import build_tiny_tokenizer  # noqa: E402
+from hllm.model.heads import HeadConfig  # noqa: E402
+from hllm.model.prompts import EncodedPrompt, PromptConfig  # noqa: E402
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noqa: E402
 from hllm.reranker import Reranker  # noqa: E402
 
 # Llama-architecture shapes of real checkpoints (hidden, intermediate, layers, heads, kv heads, vocab)

@@ -22,14 +22,14 @@ import torch
 from bench import write_report
 
 from hllm import Reranker
-from hllm.baselines import first_style_scores
 from hllm.config import from_dict
-from hllm.decoding import DECODERS
-from hllm.evaluation import interleaved_latency, paired_ratio, single_pass_methods
-from hllm.job import JobConfig
-from hllm.readers import read_beir
-from hllm.stages import load_teacher
-from hllm.synthetic import SyntheticConfig, generate
+from hllm.data.readers import read_beir
+from hllm.data.synthetic import SyntheticConfig, generate
+from hllm.eval.evaluation import interleaved_latency, paired_ratio, single_pass_methods
+from hllm.model.decoding import DECODERS
+from hllm.recipes.job import JobConfig
+from hllm.recipes.stages import load_teacher
+from hllm.teacher.baselines import first_style_scores
 
 
 def timed(fn) -> float:

@@ -69,8 +69,8 @@ def serve_replica(student: Path, docs: list[int], requests_n: int) -> list[tuple
 
 def train_worker(run_dir: Path, steps: int) -> list[tuple[str, float]]:
     from hllm.config import from_dict
-    from hllm.job import student_ranker_config
-    from hllm.models import ModelConfig
+    from hllm.model.backbones import ModelConfig
+    from hllm.recipes.job import student_ranker_config
     from pipelines import distill
     from pipelines.common import PipelineConfig
 

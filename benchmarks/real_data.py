@@ -1,11 +1,11 @@
 """Quality on real text: first stage, AR teacher, single-pass student and the FIRST-style readout of
 the teacher, on a finished job's held-out queries and (optionally) on a second collection the
-job never saw; and the cross-year protocol of a finished `hllm.realtext` run.
+job never saw; and the cross-year protocol of a finished `hllm.recipes.realtext` run.
 
     python benchmarks/real_data.py --cross-year runs/realtext                 # the report as committed
     python benchmarks/real_data.py --job runs/dl19-smollm2 [--transfer ../shared/data/cranfield] [--transfer-queries 40]
 
-`--cross-year RUN`: RUN's `report.json` (`python -m hllm.realtext --config configs/realtext/smollm2-trec-dl.yaml`)
+`--cross-year RUN`: RUN's `report.json` (`python -m hllm.recipes.realtext --config configs/realtext/smollm2-trec-dl.yaml`)
 gives, per fold, split `cross-year` rows (collection = the test year, trained on the other): the
 first stage and the student on every judged query of the test year, the whole BM25 top 100
 reranked in one pass, the student's figures the mean over the run's seeds; and split
@@ -29,15 +29,15 @@ import json
 import logging
 from pathlib import Path
 
-from hllm.baselines import first_style_orders
 from hllm.config import from_dict
-from hllm.evaluation import evaluate_student, evaluate_teacher, first_stage_order, quality
-from hllm.models import resolve_device
-from hllm.readers import read_slates
+from hllm.data.readers import read_slates
+from hllm.data.splits import load_splits, query_bucket
+from hllm.eval.evaluation import evaluate_student, evaluate_teacher, first_stage_order, quality
+from hllm.model.backbones import resolve_device
+from hllm.recipes.stages import load_teacher, teacher_model
 from hllm.records import RerankRequest
 from hllm.reranker import Reranker
-from hllm.splits import load_splits, query_bucket
-from hllm.stages import load_teacher, teacher_model
+from hllm.teacher.baselines import first_style_orders
 from pipelines.common import PipelineConfig
 
 FIELDS = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10"]
@@ -50,7 +50,7 @@ def rows_for(collection: str, split: str, slates: list[RerankRequest], metrics: 
 
 
 def cross_year_rows(run: Path) -> tuple[list[dict], list[str]]:
-    """Rows and Markdown notes from a finished `hllm.realtext` run's report.json."""
+    """Rows and Markdown notes from a finished `hllm.recipes.realtext` run's report.json."""
     report = json.loads((run / "report.json").read_text())
     rows, notes = [], []
     for fold in report["folds"]:
@@ -98,7 +98,7 @@ def table(rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", help="a finished job's output_dir (config.json, report.json, teacher/, student/)")
-    parser.add_argument("--cross-year", metavar="RUN", help="a finished hllm.realtext run's output_dir (report.json)")
+    parser.add_argument("--cross-year", metavar="RUN", help="a finished hllm.recipes.realtext run's output_dir (report.json)")
     parser.add_argument("--transfer", action="append", default=[], help="with --job: another BEIR-style collection to rerank")
     parser.add_argument("--transfer-queries", type=int, default=40, help="at most this many of its test queries")
     parser.add_argument("--out", default="reports/real_data.csv")
@@ -113,8 +113,8 @@ def main() -> None:
         cfg = json.loads((Path(args.cross_year) / "config.json").read_text())
         r = cfg["ranker"]
         sections += [
-            f"Run `{args.cross_year}` (`hllm.realtext`): {r['model']['preset']} frozen, cut after decoder layer "
-            f"{r['state_layer']}, each passage read as `{r.get('pooling', 'last')}` (hllm.item_states.POOLINGS); "
+            f"Run `{args.cross_year}` (`hllm.recipes.realtext`): {r['model']['preset']} frozen, cut after decoder layer "
+            f"{r['state_layer']}, each passage read as `{r.get('pooling', 'last')}` (hllm.model.item_states.POOLINGS); "
             f"prompt `{r['prompt']['template']}`; {r['head']['kind']} head with the first-stage prior "
             f"({r['head']['prior']}), fitted on graded qrels over cached item states "
             + ("in closed form (ridge)" if cfg["fit"] == "ridge" else f"by SGD ({', '.join(cfg['loss']['terms'])})")

@@ -25,7 +25,7 @@ URL = f"http://127.0.0.1:{PORT}/v1/rerank"
 
 
 def bodies(n_docs: int, count: int) -> list[dict]:
-    from hllm.synthetic import SyntheticConfig, generate
+    from hllm.data.synthetic import SyntheticConfig, generate
 
     splits, _ = generate(SyntheticConfig(train_slates=1, val_slates=1, test_slates=max(count, 1), slate_size=n_docs))
     return [{"query": s.query.text, "documents": [c.text for c in s.candidates]} for s in splits["test"]]

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from bench import write_report  # benchmarks/ is on sys.path when run as a script
 from hllm.config import load_config
-from hllm.evaluation import evaluate_teacher
-from hllm.job import add_config_args
-from hllm.models import resolve_device
-from hllm.splits import load_splits
-from hllm.stages import bootstrap_teacher_stage, load_teacher, teacher_rankings_stage
+from hllm.data.splits import load_splits
+from hllm.eval.evaluation import evaluate_teacher
+from hllm.model.backbones import resolve_device
+from hllm.recipes.job import add_config_args
+from hllm.recipes.stages import bootstrap_teacher_stage, load_teacher, teacher_rankings_stage
 from pipelines import teacher_gen
 from pipelines.common import PipelineConfig
 

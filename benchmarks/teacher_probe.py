@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 from bench import write_report
 
-from hllm.ablations import scores_to_perm
 from hllm.config import from_dict
-from hllm.evaluation import first_stage_order, quality
-from hllm.job import JobConfig
-from hllm.models import load_backbone
-from hllm.prompts import PromptBuilder, collate
-from hllm.splits import load_splits
-from hllm.stages import teacher_model
-from hllm.training import grade_token_ids
+from hllm.data.splits import load_splits
+from hllm.eval.evaluation import first_stage_order, quality
+from hllm.model.backbones import load_backbone
+from hllm.model.prompts import PromptBuilder, collate
+from hllm.recipes.ablations import scores_to_perm
+from hllm.recipes.job import JobConfig
+from hllm.recipes.stages import teacher_model
+from hllm.train.loop import grade_token_ids
 
 
 def grades_of(slate) -> list[int]:

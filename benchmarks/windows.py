@@ -17,11 +17,11 @@ import dataclasses
 import time
 from pathlib import Path
 
-from hllm.evaluation import first_stage_order, quality
-from hllm.prompts import PromptTooLong, document_text
-from hllm.readers import read_beir
+from hllm.data.readers import read_beir
+from hllm.data.synthetic import SyntheticConfig, generate
+from hllm.eval.evaluation import first_stage_order, quality
+from hllm.model.prompts import PromptTooLong, document_text
 from hllm.reranker import Reranker
-from hllm.synthetic import SyntheticConfig, generate
 
 ARMS = [("sliding", 10), ("sliding", 16), ("blocks", None)]  # at N = 100, K = 20: 9, 6 and 6 windows
 

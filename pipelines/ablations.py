@@ -29,13 +29,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-from hllm.ablations import (QUALITY, REFERENCE, AblationConfig, Baseline, Cell, Row, aggregate,  # noqa: E402
-                            baseline_metrics, decoder_comparison, expand_cells, flat_metrics, scores_to_perm,
-                            slates_of_size, train_cell, with_seed)
-from hllm.cache import fingerprint, mark_done, stage_done  # noqa: E402
+from hllm.recipes.ablations import (QUALITY, REFERENCE, AblationConfig, Baseline, Cell, Row, aggregate,  # noqa: E402
+                                    baseline_metrics, decoder_comparison, expand_cells, flat_metrics, scores_to_perm,
+                                    slates_of_size, train_cell, with_seed)
 from hllm.config import from_dict, load_config, to_dict  # noqa: E402
-from hllm.job import student_ranker_config  # noqa: E402
-from hllm.stages import Rankings  # noqa: E402
+from hllm.data.cache import fingerprint, mark_done, stage_done  # noqa: E402
+from hllm.recipes.job import student_ranker_config  # noqa: E402
+from hllm.recipes.stages import Rankings  # noqa: E402
 from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
 from pipelines.reports import markdown_report, plot_reports, write_csv  # noqa: E402
 
@@ -48,7 +48,7 @@ def cell_task(job: dict[str, Any], teacher_model: dict[str, Any], data: tuple, o
     """A Ray task: one cell x seed, trained and evaluated by the library; writes result.json."""
     import torch
 
-    from hllm.models import ModelConfig
+    from hllm.model.backbones import ModelConfig
 
     torch.set_num_threads(threads)
     cfg = from_dict(PipelineConfig, job)
@@ -109,9 +109,9 @@ def measure_latency(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell]
     """-> ({method: p50/p95} on the test slates, {N: {method: p50/p95}}), interleaved, batch 1."""
     import torch
 
-    from hllm.baselines import first_style_scores
-    from hllm.evaluation import interleaved_latency
+    from hllm.eval.evaluation import interleaved_latency
     from hllm.reranker import Reranker
+    from hllm.teacher.baselines import first_style_scores
 
     if grid.latency_requests == 0:
         return {}, {}
@@ -138,8 +138,8 @@ def measure_latency(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell]
 
 def baselines(cfg: PipelineConfig, teacher, test_rankings: Rankings) -> dict[str, Baseline]:
     """First-stage order, FIRST-style single pass on the teacher's prefill, the AR teacher itself."""
-    from hllm.baselines import first_style_orders
-    from hllm.evaluation import first_stage_order
+    from hllm.eval.evaluation import first_stage_order
+    from hllm.teacher.baselines import first_style_orders
 
     test, teacher_perms = test_rankings.slates, test_rankings.permutations
     first = first_style_orders(teacher.model, teacher.prompts, test)
@@ -153,8 +153,8 @@ def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = N
     """-> {"rows", "decoders", "latency_by_n", "failures", "reports", "mlflow_run_id"}."""
     import mlflow
 
-    from hllm.models import resolve_device
-    from hllm.stages import load_teacher
+    from hllm.model.backbones import resolve_device
+    from hllm.recipes.stages import load_teacher
     from pipelines import teacher_gen
 
     cells = expand_cells(grid, cfg)  # every cell's config is checked before anything runs

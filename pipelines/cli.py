@@ -6,7 +6,7 @@
     hllm config show [--config configs/dl19-smollm2.yaml] [key=value ...]
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
-    hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.realtext
+    hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.recipes.realtext
     hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
@@ -28,7 +28,7 @@ READ_FORMATS = ("auto", "beir", "rank_llm", "tsv", "hllm")
 
 def _load_slates(args: argparse.Namespace):
     """-> (slates, qrels path or None, data settings recorded with the run)."""
-    from hllm.readers import DataFormatError, read_beir, read_qrels, read_slates
+    from hllm.data.readers import DataFormatError, read_beir, read_qrels, read_slates
 
     data = Path(args.data)
     if not data.exists():
@@ -64,9 +64,9 @@ def _table(rows: dict[str, dict]) -> str:
 
 
 def cmd_rerank(args: argparse.Namespace) -> int:
-    from hllm.collection import RerankSpec, rerank_collection
-    from hllm.readers import read_qrels
-    from hllm.runfile import evaluate, evaluate_run
+    from hllm.data.readers import read_qrels
+    from hllm.eval.runfile import evaluate, evaluate_run
+    from hllm.recipes.collection import RerankSpec, rerank_collection
 
     spec = RerankSpec(model=args.model, teacher=args.teacher, window=args.window, stride=args.stride,
                       windowing=args.windowing, batch_size=args.batch_size, device=args.device,
@@ -95,7 +95,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
 
 def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
     """Once per run, as Serve does per request: the share of the shown tokens the model cannot read."""
-    from hllm.ranker import read_model_card
+    from hllm.model.ranker import read_model_card
     from hllm.reranker import resolve_model_uri, vocabulary_warning
 
     if spec.model is None or not stats.get("shown_tokens"):
@@ -108,7 +108,7 @@ def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
 
 
 def _report(rows: dict[str, dict], json_path: str | None) -> None:
-    from hllm.runfile import atomic_write
+    from hllm.eval.runfile import atomic_write
 
     any_row = next(iter(rows.values()))
     print(_table(rows))
@@ -119,7 +119,7 @@ def _report(rows: dict[str, dict], json_path: str | None) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from hllm.runfile import evaluate_run
+    from hllm.eval.runfile import evaluate_run
 
     rows = {run: evaluate_run(run, args.qrels, args.rel) for run in args.run}
     _report(rows, args.json)
@@ -151,8 +151,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_export_teacher(args: argparse.Namespace) -> int:
-    from hllm.models import EMBEDDED_TEACHER
-    from hllm.stages import export_teacher
+    from hllm.model.backbones import EMBEDDED_TEACHER
+    from hllm.recipes.stages import export_teacher
 
     provenance = export_teacher(args.run_dir, args.to or EMBEDDED_TEACHER)
     test = provenance["test"]
@@ -170,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_realtext(args: argparse.Namespace) -> int:
-    from hllm import realtext
+    from hllm.recipes import realtext
 
     realtext.main([f"--config={args.config}", *args.overrides])
     return 0
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_refresh)
 
     t = sub.add_parser("realtext", help="real text across TREC years: a frozen LM's cached states, a prior head, "
-                       "cross-year folds, the shipped student (hllm.realtext)")
+                       "cross-year folds, the shipped student (hllm.recipes.realtext)")
     t.add_argument("--config", required=True, help="YAML config (e.g. configs/realtext/smollm2-trec-dl.yaml)")
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     t.set_defaults(func=cmd_realtext)
@@ -298,7 +298,7 @@ def quiet_libraries() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from hllm.config import ConfigError
-    from hllm.readers import DataFormatError
+    from hllm.data.readers import DataFormatError
 
     args = build_parser().parse_args(argv)
     quiet_libraries()

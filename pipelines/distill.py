@@ -3,11 +3,11 @@
     ray job submit --working-dir . -- python pipelines/distill.py [--config configs/default.yaml] [key=value ...]
     python pipelines/distill.py cluster.train_workers=2           # local Ray, 2 CPU workers
 
-The library's student stage (`hllm.stages.train_student_stage`) decides whether to train and
+The library's student stage (`hllm.recipes.stages.train_student_stage`) decides whether to train and
 records the result; this module supplies the fit: each Ray Train worker builds the student from
 the library, wraps it with `deepspeed.initialize` (ZeRO stage from config; fp32 + gloo on CPU,
 bf16 + NCCL on CUDA), reads its shard of the rankings store through `ray.train.get_dataset_shard`
-and runs the library's one training loop (`hllm.training.train_loop`) with the engine's
+and runs the library's one training loop (`hllm.train.loop.train_loop`) with the engine's
 backward/step passed in. Every `checkpoint_every` steps all ranks save a DeepSpeed checkpoint and
 report it; a failed worker group restarts from the latest one (`FailureConfig`). Only world rank
 0 logs to MLflow. The driver then evaluates the student against the teacher on the test split.
@@ -29,10 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-from hllm import store  # noqa: E402
 from hllm.config import from_dict, to_dict  # noqa: E402
-from hllm.ranker import RankerConfig  # noqa: E402
-from hllm.stages import EvalReport, Fit, Rankings  # noqa: E402
+from hllm.data import store  # noqa: E402
+from hllm.model.ranker import RankerConfig  # noqa: E402
+from hllm.recipes.stages import EvalReport, Fit, Rankings  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics,  # noqa: E402
                               mlflow_run, parse_job, tracking_uri)
 
@@ -71,7 +71,7 @@ class EngineOptimizer:
 
 def shard_chunks(shard, builder, cfg: PipelineConfig) -> Iterator[list]:
     """Endless batches of student examples from this worker's shard of the rankings store."""
-    from hllm.training import student_examples
+    from hllm.train.loop import student_examples
 
     while True:
         for batch in shard.iter_batches(batch_size=cfg.student.train.batch_size, batch_format="pyarrow", drop_last=True):
@@ -96,8 +96,8 @@ def train_func(config: dict[str, Any]) -> None:
     import ray.train
     import torch
 
-    from hllm.ranker import SinglePassRanker
-    from hllm.training import make_optimizer, param_groups, student_batch, student_examples, student_loss, train_loop, validation_loss
+    from hllm.model.ranker import SinglePassRanker
+    from hllm.train.loop import make_optimizer, param_groups, student_batch, student_examples, student_loss, train_loop, validation_loss
 
     cfg = from_dict(PipelineConfig, config["job"])
     rcfg = from_dict(RankerConfig, config["ranker"])
@@ -224,9 +224,9 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
     all in MLflow. -> (the report, the distill run's MLflow id)."""
     import mlflow
 
-    from hllm.job import student_ranker_config
-    from hllm.models import resolve_device
-    from hllm.stages import evaluate_stage, load_teacher, train_student_stage
+    from hllm.model.backbones import resolve_device
+    from hllm.recipes.job import student_ranker_config
+    from hllm.recipes.stages import evaluate_stage, load_teacher, train_student_stage
     from pipelines import teacher_gen
     from pipelines.registry import log_student
 
@@ -251,7 +251,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hllm.stages import summary_lines
+    from hllm.recipes.stages import summary_lines
 
     cfg, _ = parse_job("Ray Train + DeepSpeed distillation of the single-pass student", argv)
     report, run_id = run(cfg)

@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
 from hllm.config import to_dict  # noqa: E402
-from hllm.splits import load_splits  # noqa: E402
-from hllm.stages import summary_lines  # noqa: E402
+from hllm.data.splits import load_splits  # noqa: E402
+from hllm.recipes.stages import summary_lines  # noqa: E402
 from pipelines import distill  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, parse_job, mlflow_run, tracking_uri  # noqa: E402
 

@@ -3,8 +3,8 @@
     hllm rerank --model runs/default/student --data DIR --out run.trec --ray --actors 4
 
 The same mechanism as teacher generation (`pipelines/teacher_gen.py`): each actor loads the ranker
-once (`hllm.collection.ShardRanker`, a GPU each where the cluster has them) and, per shard, ranks
-it and writes it atomically (`hllm.runfile.ShardWriter.write`); the driver joins the shards. On a
+once (`hllm.recipes.collection.ShardRanker`, a GPU each where the cluster has them) and, per shard, ranks
+it and writes it atomically (`hllm.eval.runfile.ShardWriter.write`); the driver joins the shards. On a
 multi-node cluster the run file's folder must be storage every node sees.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from hllm import store
-from hllm.collection import MapShards, RerankSpec, ShardRanker
+from hllm.data import store
+from hllm.eval.runfile import ShardedRun, ShardWriter
+from hllm.recipes.collection import MapShards, RerankSpec, ShardRanker
 from hllm.records import RerankRequest
-from hllm.runfile import ShardedRun, ShardWriter
 
 
 class RerankActor:

@@ -3,10 +3,10 @@
     ray job submit --working-dir . -- python pipelines/teacher_gen.py [--config configs/default.yaml] [key=value ...]
     python pipelines/teacher_gen.py cluster.teacher_actors=2          # local Ray
 
-The library's teacher-rankings stage (`hllm.stages.teacher_rankings_stage`) decides what is still
+The library's teacher-rankings stage (`hllm.recipes.stages.teacher_rankings_stage`) decides what is still
 to rank, checks completeness and writes the stage's stats; this module only supplies how: each
-actor loads the teacher once and, per batch of slates, calls `hllm.stages.rank_and_write`, which
-writes one shard of the rankings store (`hllm.store`: typed Parquet, atomic). A restarted run
+actor loads the teacher once and, per batch of slates, calls `hllm.recipes.stages.rank_and_write`, which
+writes one shard of the rankings store (`hllm.data.store`: typed Parquet, atomic). A restarted run
 skips the slates already written and ends with exactly one row per slate. Every split (train,
 val, test) is produced this way.
 """
@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit 
 
 import pyarrow as pa  # noqa: E402
 
-from hllm import store  # noqa: E402
 from hllm.config import from_dict, to_dict  # noqa: E402
-from hllm.models import ModelConfig  # noqa: E402
+from hllm.data import store  # noqa: E402
+from hllm.data.splits import SPLITS, load_splits  # noqa: E402
+from hllm.model.backbones import ModelConfig  # noqa: E402
+from hllm.recipes.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
 from hllm.records import RerankRequest  # noqa: E402
-from hllm.splits import SPLITS, load_splits  # noqa: E402
-from hllm.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job,
                               wait_for_actors)  # noqa: E402
 
@@ -41,7 +41,7 @@ class TeacherActor:
         import ray
         import torch
 
-        from hllm.stages import load_teacher
+        from hllm.recipes.stages import load_teacher
 
         cfg = from_dict(PipelineConfig, job)
         torch.set_num_threads(cfg.threads or 1)
@@ -50,7 +50,7 @@ class TeacherActor:
         self.node_id = ray.get_runtime_context().get_node_id()  # provenance of every row
 
     def __call__(self, batch: pa.Table) -> dict[str, list]:
-        from hllm.stages import rank_and_write
+        from hllm.recipes.stages import rank_and_write
 
         slates = store.slates_from_rows(batch.to_pylist())
         items = rank_and_write(self.teacher, slates, self.out_dir, node=self.node_id)
@@ -86,7 +86,7 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
 def run(cfg: PipelineConfig, parent_run_id: str | None = None, splits: tuple[str, ...] = SPLITS
         ) -> tuple[ModelConfig, dict[str, Rankings]]:
     """Bootstrap (or load) the teacher, then its rankings of each split, as one MLflow run."""
-    from hllm.models import resolve_device
+    from hllm.model.backbones import resolve_device
 
     data = load_splits(cfg.data)
     teacher_model = bootstrap_teacher_stage(cfg, data["train"], data["val"], resolve_device(cfg.device))

@@ -30,10 +30,9 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve import Application
 
-from hllm.flywheel import registry_alias
-from hllm.prompts import EncodedPrompt
-from hllm.reranker import UNKNOWN_TOKEN_WARNING, vocabulary_warning
-from hllm.traffic import TrafficLogConfig
+from hllm.data.traffic import TrafficLogConfig
+from hllm.model.prompts import EncodedPrompt
+from hllm.reranker import UNKNOWN_TOKEN_WARNING, registry_alias, vocabulary_warning
 from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult, ResultDocument,
                            Usage, ValidationErrorBody)
 
@@ -108,7 +107,7 @@ class AppArgs(BaseModel):
     windowing: Literal["sliding", "blocks"] = "sliding"
     # meta.warnings says so when more of a request's tokens than this are unknown to the model's vocabulary
     unknown_token_warning: float = UNKNOWN_TOKEN_WARNING
-    # opt-in: every answered request is logged as Parquet under traffic_log.path (hllm.traffic), for `hllm refresh`
+    # opt-in: every answered request is logged as Parquet under traffic_log.path (hllm.data.traffic), for `hllm refresh`
     traffic_log: TrafficLogConfig | None = None
     # a `models:/NAME@ALIAS` model: each replica resolves the alias again this often, and a moved alias is
     # loaded beside the serving version and swapped in (no request fails; meta.model_version says which
@@ -122,7 +121,7 @@ class Served:
 
     reranker: Any  # hllm.Reranker
     model_id: str  # `model_id` of what was loaded: the response's meta.model_version
-    model_key: str  # its prompt and vocabulary (hllm.traffic.model_key)
+    model_key: str  # its prompt and vocabulary (hllm.data.traffic.model_key)
 
 
 def pinned_model(model: str) -> str:
@@ -157,7 +156,7 @@ def _replica_name() -> str:
 def traffic_record(response: RerankResponse, body: RerankBody, served: Served, ms: float):
     """An answered request -> its traffic-log record (documents in request order; `order` and
     `scores` as returned, all of them unless the request asked for `top_n`)."""
-    from hllm.traffic import TrafficRecord
+    from hllm.data.traffic import TrafficRecord
 
     return TrafficRecord(request_id=response.id, time=time.time(), model=served.model_id, model_key=served.model_key,
                          query=body.query, documents=body.texts(), order=[r.index for r in response.results],
@@ -291,7 +290,7 @@ class RerankDeployment:
         self.metrics = RerankMetrics()
         self.traffic = None
         if self.args.traffic_log is not None:
-            from hllm.traffic import TrafficLog
+            from hllm.data.traffic import TrafficLog
 
             self.traffic = TrafficLog(self.args.traffic_log, cut=lambda docs: self.served.reranker.cut_documents(docs),
                                       writer=_replica_name())

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from hllm.models import ModelConfig, load_backbone
-from hllm.synthetic import SyntheticConfig, generate
+from hllm.data.synthetic import SyntheticConfig, generate
+from hllm.model.backbones import ModelConfig, load_backbone
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SERVE_PORT = 8123  # the session's one Serve HTTP port (Serve keeps the first serve.start's options)
@@ -68,7 +68,7 @@ def ray_local():
 def graded_examples(ranker, slates):
     """Student examples from slates alone (no teacher ranking): for graded-label training in tests."""
     from hllm.records import ParseCounts, RankedSlate, TeacherRanking
-    from hllm.training import LossConfig, student_examples
+    from hllm.train.loop import LossConfig, student_examples
 
     unranked = [RankedSlate(s, TeacherRanking(s.slate_id, None, "", ParseCounts())) for s in slates]
     return student_examples(ranker.prompts, unranked, LossConfig({"graded_ce": 1.0}))[0]

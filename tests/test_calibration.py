@@ -4,8 +4,8 @@ held-out slates, saved with the model; ECE against hand-computed values."""
 import numpy as np
 import pytest
 
-from hllm.calibration import (Calibrator, calibration_report, expected_calibration_error, fit_calibrator,
-                              item_features)
+from hllm.model.calibration import (Calibrator, calibration_report, expected_calibration_error, fit_calibrator,
+                                    item_features)
 
 
 def _slates(rng, count, n=10, k=6):
@@ -61,9 +61,9 @@ def test_one_class_cannot_be_calibrated():
 
 def test_a_calibrated_student_ranks_with_relevance(tiny_backbone, small_splits, tmp_path):
     from hllm import Reranker
-    from hllm.heads import HeadConfig
-    from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-    from hllm.stages import calibrate_student
+    from hllm.model.heads import HeadConfig
+    from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+    from hllm.recipes.stages import calibrate_student
 
     from conftest import TINY
 

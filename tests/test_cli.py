@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hllm.heads import HeadConfig
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.heads import HeadConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from pipelines.cli import main
 
 from conftest import TINY
@@ -84,7 +84,7 @@ def test_rerank_writes_a_run_that_evaluate_reads_back(student, tmp_path, capsys)
 
 
 def test_a_crashed_rerank_resumes_from_its_shards(student, tmp_path, monkeypatch):
-    from hllm import collection
+    from hllm.recipes import collection
 
     data = _beir(tmp_path / "beir", queries=4)
     args = ["rerank", "--model", str(student), "--data", str(data), "--window", "4", "--shard-size", "1", "--quiet"]
@@ -109,7 +109,7 @@ def test_a_crashed_rerank_resumes_from_its_shards(student, tmp_path, monkeypatch
 
 
 def test_a_shard_folder_from_other_settings_is_refused(student, tmp_path, capsys, monkeypatch):
-    from hllm import collection
+    from hllm.recipes import collection
 
     data = _beir(tmp_path / "beir")
     out = tmp_path / "run.trec"
@@ -147,7 +147,7 @@ def test_a_thousand_candidates_come_back_as_one_permutation(student):
 
 
 def test_windowings_with_a_perfect_ranker_put_the_best_first():
-    from hllm.windows import rank_in_windows
+    from hllm.model.windows import rank_in_windows
 
     values = [(i * 37) % 101 for i in range(100)]  # a permutation of 0..100 minus one value, shuffled
 
@@ -254,7 +254,7 @@ def test_the_console_script_and_every_help():
 
 def test_rerank_with_the_ar_teacher_of_a_job(tmp_path, capsys):
     from hllm.config import to_dict
-    from hllm.job import JobConfig, TeacherStageConfig
+    from hllm.recipes.job import JobConfig, TeacherStageConfig
 
     job = tmp_path / "job"
     job.mkdir()

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hllm.decoding import DECODERS, hungarian, is_permutation, rank1_energy, sort_first_column, argmax_repair
+from hllm.model.decoding import DECODERS, hungarian, is_permutation, rank1_energy, sort_first_column, argmax_repair
 
 
 def brute_force_value(scores: np.ndarray) -> float:

@@ -7,13 +7,13 @@ import pytest
 from test_workflow import TINY_JOB
 
 from hllm.config import load_config
-from hllm.evaluation import evaluate_teacher, first_stage_order, quality
-from hllm.job import JobConfig
-from hllm.models import EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256
-from hllm.ranker import RankerConfig, SinglePassRanker
-from hllm.stages import load_teacher
-from hllm.synthetic import SyntheticConfig, generate
-from hllm.workflow import run
+from hllm.data.synthetic import SyntheticConfig, generate
+from hllm.eval.evaluation import evaluate_teacher, first_stage_order, quality
+from hllm.model.backbones import EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256
+from hllm.model.ranker import RankerConfig, SinglePassRanker
+from hllm.recipes.job import JobConfig
+from hllm.recipes.stages import load_teacher
+from hllm.recipes.workflow import run
 from pipelines.cli import main as cli
 
 DEFAULT = load_config(JobConfig, EMBEDDED_TEACHER.parents[2] / "configs" / "default.yaml")

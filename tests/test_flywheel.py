@@ -15,9 +15,9 @@ import pytest
 import requests
 
 from hllm.config import load_config
-from hllm.flywheel import NothingToRefresh
-from hllm.synthetic import SyntheticConfig, generate
-from hllm.traffic import request_key
+from hllm.data.synthetic import SyntheticConfig, generate
+from hllm.data.traffic import request_key
+from hllm.recipes.flywheel import NothingToRefresh
 from pipelines import distill, refresh
 from pipelines.common import PipelineConfig
 from pipelines.registry import pin, promote
@@ -165,7 +165,7 @@ def test_bad_logs_make_no_new_version(job, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from hllm.traffic import log_files
+    from hllm.data.traffic import log_files
     foreign = tmp_path / "foreign" / "date=2026-12-01"
     foreign.mkdir(parents=True)
     for k, f in enumerate(log_files(out / "traffic")):

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from hllm.heads import HeadConfig
-from hllm.item_states import item_hidden_states, supports_items_only
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.heads import HeadConfig
+from hllm.model.item_states import item_hidden_states, supports_items_only
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.reranker import Reranker
 
 from conftest import TINY

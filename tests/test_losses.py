@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from hllm.losses import LOSSES, log_sinkhorn, mixed_loss
-from hllm.training import TorchOptimizer, TrainConfig, train_loop, use_bf16
+from hllm.train.loop import TorchOptimizer, TrainConfig, train_loop, use_bf16
+from hllm.train.losses import LOSSES, log_sinkhorn, mixed_loss
 
 B, N, K = 3, 6, 6
 

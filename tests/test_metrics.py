@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from hllm.metrics import agreement, input_order_agreement, ir_metrics, kendall_tau, validity_rate
-from hllm.readers import read_beir
+from hllm.data.readers import read_beir
+from hllm.eval.metrics import agreement, input_order_agreement, ir_metrics, kendall_tau, validity_rate
 from hllm.records import Candidate, Query, RerankRequest
 
 

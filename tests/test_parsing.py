@@ -1,6 +1,6 @@
 import pytest
 
-from hllm.parsing import format_ranking, parse_ranking
+from hllm.teacher.parsing import format_ranking, parse_ranking
 
 # (text, n, expected flags, permutation without repair, permutation with repair)
 CASES = [

@@ -6,8 +6,8 @@ import csv
 import mlflow
 import pytest
 
-from hllm.ablations import AblationConfig
 from hllm.config import load_config
+from hllm.recipes.ablations import AblationConfig
 from pipelines import ablations
 from pipelines.common import PipelineConfig
 

@@ -11,7 +11,7 @@ import pytest
 
 from hllm import Reranker
 from hllm.config import load_config
-from hllm.job import student_ranker_config
+from hllm.recipes.job import student_ranker_config
 from pipelines import distill, teacher_gen
 from pipelines.common import PipelineConfig
 

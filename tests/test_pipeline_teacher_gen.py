@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hllm import store
 from hllm.config import load_config
+from hllm.data import store
 from pipelines import teacher_gen
 from pipelines.common import PipelineConfig
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from hllm.heads import HeadConfig
-from hllm.item_states import POOLINGS, span_means
-from hllm.prompts import PromptBuilder, PromptConfig, collate
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.heads import HeadConfig
+from hllm.model.item_states import POOLINGS, span_means
+from hllm.model.prompts import PromptBuilder, PromptConfig, collate
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.records import Candidate, Query, RerankRequest
 from hllm.reranker import Reranker
-from hllm.state_cache import states_key
+from hllm.train.state_cache import states_key
 
 from conftest import TINY
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from hllm.decoding import DECODERS
-from hllm.head_fit import StateSlate, fit_head, score_state_slates, state_orders, sub_slate
-from hllm.heads import HeadConfig, rank_prior
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.decoding import DECODERS
+from hllm.model.heads import HeadConfig, rank_prior
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.reranker import Reranker
-from hllm.state_cache import StaleStates, cached_states, states_key
-from hllm.training import LossConfig, TrainConfig
+from hllm.train.head_fit import StateSlate, fit_head, score_state_slates, state_orders, sub_slate
+from hllm.train.loop import LossConfig, TrainConfig
+from hllm.train.state_cache import StaleStates, cached_states, states_key
 
 from conftest import TINY
 
@@ -55,7 +55,7 @@ def test_a_trained_prior_head_moves_off_the_input_order(small_splits):
 
 
 def cached_items(ranker, slates, tmp=None):
-    from hllm.state_cache import compute_states
+    from hllm.train.state_cache import compute_states
     return [StateSlate(s, x) for s, x in zip(slates, compute_states(ranker, slates, batch_size=4))]
 
 
@@ -129,7 +129,7 @@ def test_fit_head_keeps_the_best_validation_step(small_splits):
     assert out["best_val"] >= out["val_at_start"]
     rows = [r for r in out["history"] if "val_nDCG@10" in r]
     assert len(rows) == 4 and out["best_val"] == max([out["val_at_start"], *(r["val_nDCG@10"] for r in rows)])
-    from hllm.evaluation import quality
+    from hllm.eval.evaluation import quality
     assert quality([i.slate for i in val], state_orders(ranker, val), 2)["nDCG@10"] == pytest.approx(out["best_val"])
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from hllm.prompts import PromptBuilder, PromptConfig, PromptTooLong, collate
+from hllm.model.prompts import PromptBuilder, PromptConfig, PromptTooLong, collate
 from hllm.records import Candidate, Query, RerankRequest
 
 

@@ -65,6 +65,79 @@ def test_importing_every_module_loads_no_framework():
 def test_the_single_process_job_is_a_leaf():
     """Recipes import the library; nothing imports the recipe."""
     importers = [str(f) for root in ("hllm", "pipelines", "serve", "benchmarks") for f in (LIBRARY.parent / root).rglob("*.py")
-                 if "hllm.workflow" in dotted_imports(f)]
+                 if "hllm.recipes.workflow" in dotted_imports(f)]
     assert importers == []
 
+
+
+# The layers, top to bottom: a module may import its own layer and those below it, never one above.
+LAYERS = ["recipes", "train", "eval", "reranker", "teacher", "model", "data", "base"]
+BASE = {"__init__", "config", "records"}  # what every layer shares, at the bottom
+
+
+def layer_of(module: str) -> str:
+    """`hllm.model.heads` -> "model"; `hllm.reranker` -> "reranker"; `hllm.config` -> "base"."""
+    part = module.split(".")[1] if "." in module else "__init__"
+    return "base" if part in BASE else part
+
+
+def hllm_edges(root: Path = LIBRARY) -> set[tuple[str, str]]:
+    """(importer, imported) for every import between hllm modules, anywhere in a file (lazy ones too)."""
+    edges = set()
+    for f in root.rglob("*.py"):
+        parts = f.relative_to(root.parent).with_suffix("").parts
+        importer = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for name in dotted_imports(f):
+            if name.startswith("hllm.") and name != importer:
+                edges.add((importer, name))
+    return edges
+
+
+def wrong_way(edges: set[tuple[str, str]]) -> list[str]:
+    return sorted(f"{a} imports {b}: {layer_of(a)} sits below {layer_of(b)}" for a, b in edges
+                  if layer_of(b) in LAYERS and LAYERS.index(layer_of(b)) < LAYERS.index(layer_of(a)))
+
+
+def test_every_module_sits_in_a_layer():
+    modules = {a for a, _ in hllm_edges()} | {b for _, b in hllm_edges()}
+    assert {layer_of(m) for m in modules} <= set(LAYERS), sorted(m for m in modules if layer_of(m) not in LAYERS)
+    roots = sorted(f.name for f in LIBRARY.glob("*.py"))
+    assert len(roots) <= 6, f"modules at the root of hllm/: {roots}"
+
+
+def test_imports_run_only_down_the_layers():
+    assert wrong_way(hllm_edges()) == []
+
+
+def test_a_wrong_way_import_fails_naming_both_modules(tmp_path):
+    """The check itself: a copy of the tree with `hllm.data.store` importing the recipes is caught."""
+    probe = tmp_path / "hllm"
+    (probe / "data").mkdir(parents=True)
+    (probe / "data" / "store.py").write_text("def f():\n    from hllm.recipes.stages import Rankings\n")
+    assert wrong_way(hllm_edges(probe)) == [
+        "hllm.data.store imports hllm.recipes.stages: data sits below recipes"]
+
+
+def test_no_import_cycles_between_modules():
+    """Module-level imports only (a lazy import inside a function cannot make an import-time cycle)."""
+    graph: dict[str, set[str]] = {}
+    for f in LIBRARY.rglob("*.py"):
+        parts = f.relative_to(LIBRARY.parent).with_suffix("").parts
+        importer = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        top = [n for n in ast.parse(f.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in top if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
+        graph[importer] = {n for n in names if n.startswith("hllm.") and n != importer}
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        for nxt in graph.get(node, ()):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])

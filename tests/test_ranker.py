@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 import torch
 
-from hllm.decoding import is_permutation
-from hllm.heads import HeadConfig
-from hllm.models import load_backbone
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.backbones import load_backbone
+from hllm.model.decoding import is_permutation
+from hllm.model.heads import HeadConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.reranker import Reranker
-from hllm.training import LossConfig, TrainConfig, train_student
+from hllm.train.loop import LossConfig, TrainConfig, train_student
 
 from conftest import TINY, graded_examples
 
@@ -47,7 +47,7 @@ def test_attention_head_computes_what_torch_encoder_layers_compute():
     """The fused head keeps `nn.TransformerEncoderLayer`'s parameter names and arithmetic (pre-norm,
     ReLU, 4x MLP, padded items never attended to): heads saved before it load and score the same."""
     from torch import nn
-    from hllm.heads import AttentionHead
+    from hllm.model.heads import AttentionHead
 
     torch.manual_seed(0)
     cfg = HeadConfig(positions=5, layers=2, width=32, num_heads=4)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from hllm import records
-from hllm.readers import DataFormatError, read_beir, read_hllm, read_rank_llm, read_slates, write_jsonl
+from hllm.data.readers import DataFormatError, read_beir, read_hllm, read_rank_llm, read_slates, write_jsonl
 
 
 def write_beir(root, run_lines):

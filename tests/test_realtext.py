@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hllm.config import ConfigError, load_config
-from hllm.realtext import RealTextConfig, run
+from hllm.recipes.realtext import RealTextConfig, run
 from hllm.reranker import Reranker
 from pipelines.cli import main as cli
 
@@ -81,8 +81,8 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
 
 
 def test_cross_validation_chooses_the_step_and_trains_on_every_query(tmp_path):
-    from hllm.realtext import Collections, train_head
-    from hllm.ranker import SinglePassRanker
+    from hllm.model.ranker import SinglePassRanker
+    from hllm.recipes.realtext import Collections, train_head
 
     cfg = tiny_config(tmp_path, cv_folds=3)
     ranker = SinglePassRanker.build(cfg.ranker).eval()
@@ -118,9 +118,9 @@ def test_the_ridge_probe_ranks_by_its_utility_minus_the_scaled_log_rank(small_sp
     import numpy as np
     import torch
 
-    from hllm.head_fit import StateSlate, ridge_utility, set_utility, state_orders
-    from hllm.heads import HeadConfig
-    from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+    from hllm.model.heads import HeadConfig
+    from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+    from hllm.train.head_fit import StateSlate, ridge_utility, set_utility, state_orders
 
     ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(mode="frozen"),
                                                  head=HeadConfig(kind="utility", positions=8, prior="logrank"))).eval()

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from hllm import RankedDocument, Reranker
-from hllm.heads import HeadConfig
-from hllm.prompts import PromptTooLong
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.heads import HeadConfig
+from hllm.model.prompts import PromptTooLong
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 
 from conftest import TINY
 

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
 from hllm import Reranker
-from hllm.heads import HeadConfig
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.stages import calibrate_student
-from hllm.training import LossConfig, TrainConfig, train_student
+from hllm.model.heads import HeadConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.recipes.stages import calibrate_student
+from hllm.train.loop import LossConfig, TrainConfig, train_student
 
 from conftest import SERVE_PORT, TINY, graded_examples
 

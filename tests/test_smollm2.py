@@ -2,10 +2,10 @@
 
 import pytest
 
-from hllm.decoding import is_permutation
-from hllm.heads import HeadConfig
-from hllm.models import ModelConfig, smollm2_gguf_path
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.backbones import ModelConfig, smollm2_gguf_path
+from hllm.model.decoding import is_permutation
+from hllm.model.heads import HeadConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.records import Candidate, Query, RerankRequest
 from hllm.reranker import Reranker
 
@@ -38,7 +38,7 @@ def test_smollm2_saves_and_reloads_as_a_plain_model(tmp_path):
     """GGUF weights are de-quantized on load; a bootstrapped teacher must save (it once could not)."""
     import torch
 
-    from hllm.models import load_backbone, save_backbone
+    from hllm.model.backbones import load_backbone, save_backbone
 
     model, tok = load_backbone(ModelConfig(preset="smollm2-135m"))
     save_backbone(model, tok, tmp_path)
@@ -51,7 +51,7 @@ def test_smollm2_saves_and_reloads_as_a_plain_model(tmp_path):
 def test_the_named_real_text_student_loads_by_name_and_matches_its_provenance():
     import json
 
-    from hllm.models import file_sha256
+    from hllm.model.backbones import file_sha256
     from hllm.reranker import NAMED_MODELS
 
     folder = NAMED_MODELS["smollm2-trec-dl"]
@@ -71,8 +71,8 @@ def test_the_named_real_text_student_loads_by_name_and_matches_its_provenance():
 
 @pytest.mark.data
 def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data):
-    from hllm.evaluation import quality
-    from hllm.readers import read_slates
+    from hllm.data.readers import read_slates
+    from hllm.eval.evaluation import quality
 
     (slate,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=100)[:1]
     reranker = Reranker.load("smollm2-trec-dl")

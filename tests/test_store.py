@@ -6,11 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hllm import store
 from hllm.config import load_config
-from hllm.job import JobConfig
+from hllm.data import store
+from hllm.recipes.job import JobConfig
+from hllm.recipes.stages import DegenerateTeacher, teacher_rankings_stage, train_student_stage
 from hllm.records import ParseCounts, RankedSlate, TeacherRanking
-from hllm.stages import DegenerateTeacher, teacher_rankings_stage, train_student_stage
 
 
 def ranked(slates):

@@ -1,4 +1,4 @@
-from hllm.synthetic import Item, ProductQuery, SyntheticConfig, generate, grade
+from hllm.data.synthetic import Item, ProductQuery, SyntheticConfig, generate, grade
 from hllm.records import record_to_dict
 
 

@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 
-from hllm.decoding import is_permutation
-from hllm.prompts import PromptBuilder, PromptConfig
-from hllm.teacher import AnswerGrammar, ARTeacher, TeacherConfig
-from hllm.training import BootstrapConfig, TrainConfig, bootstrap_examples, bootstrap_teacher, gold_permutation, shuffled
+from hllm.model.decoding import is_permutation
+from hllm.model.prompts import PromptBuilder, PromptConfig
+from hllm.teacher.generation import AnswerGrammar, ARTeacher, TeacherConfig
+from hllm.train.loop import BootstrapConfig, TrainConfig, bootstrap_examples, bootstrap_teacher, gold_permutation, shuffled
 
 
 def test_constrained_decoding_is_always_valid(tiny_backbone, small_splits):
@@ -98,8 +98,8 @@ def test_shuffled_bootstrap_slates_keep_each_passage_with_its_grade(tiny_backbon
 def test_lora_bootstrap_keeps_the_best_held_out_weights_and_merges(tiny_backbone, small_splits):
     from peft import PeftModel
 
-    from hllm.ranker import AdaptConfig
-    from hllm.training import bootstrap_loss
+    from hllm.model.ranker import AdaptConfig
+    from hllm.train.loop import bootstrap_loss
 
     model, tok = tiny_backbone
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -121,7 +121,7 @@ def test_lora_bootstrap_keeps_the_best_held_out_weights_and_merges(tiny_backbone
 
 
 def test_window_plan_back_to_front():
-    from hllm.windows import window_plan
+    from hllm.model.windows import window_plan
     assert window_plan(20, 20, 10) == [(0, 20)]
     assert window_plan(30, 20, 10) == [(10, 30), (0, 20)]
     assert window_plan(100, 20, 10)[0] == (80, 100) and window_plan(100, 20, 10)[-1] == (0, 20)
@@ -137,7 +137,7 @@ def test_sliding_windows_bubble_the_best_to_the_top():
         RerankRequest,
         TeacherRanking,
     )
-    from hllm.windows import rank_with_windows
+    from hllm.model.windows import rank_with_windows
 
     def oracle(reqs):  # ranks by the number in the text: a perfect teacher for each window
         out = []
@@ -157,7 +157,7 @@ def test_sliding_windows_bubble_the_best_to_the_top():
 
 
 def test_first_style_scores_read_identifier_logits(tiny_backbone, small_splits):
-    from hllm.baselines import first_style_scores, identifier_first_tokens
+    from hllm.teacher.baselines import first_style_scores, identifier_first_tokens
 
     model, tok = tiny_backbone
     reqs = copy.deepcopy(small_splits["test"][:2])

@@ -1,4 +1,4 @@
-"""The traffic log (hllm.traffic) and the flywheel's library steps (hllm.flywheel), without Ray."""
+"""The traffic log (hllm.data.traffic) and the flywheel's library steps (hllm.recipes.flywheel), without Ray."""
 
 import os
 import signal
@@ -11,11 +11,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from hllm.flywheel import (NothingToRefresh, RefreshConfig, gate, pseudo_grades, refuse_foreign, replay_mix, select_slates,
-                           side_by_side)
+from hllm.recipes.flywheel import (NothingToRefresh, RefreshConfig, gate, pseudo_grades, refuse_foreign, replay_mix, select_slates,
+                                   side_by_side)
 from hllm.records import ParseCounts, RankedSlate, TeacherRanking
-from hllm.traffic import (SCHEMA, TrafficLog, TrafficLogConfig, TrafficRecord, clean_rows, log_files, read_log, row_status,
-                          scan)
+from hllm.data.traffic import (SCHEMA, TrafficLog, TrafficLogConfig, TrafficRecord, clean_rows, log_files, read_log, row_status,
+                               scan)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})
-        from hllm.traffic import TrafficLog, TrafficLogConfig
+        from hllm.data.traffic import TrafficLog, TrafficLogConfig
         from test_traffic import record
         log = TrafficLog(TrafficLogConfig({str(tmp_path)!r}, flush_records=50, flush_seconds=30))
         i = 0
@@ -168,7 +168,7 @@ def test_an_empty_or_foreign_log_is_refused_with_a_message():
 
 def _ranked(i: int, perm: list[int], grades=None) -> RankedSlate:
     r = record(i)
-    from hllm.traffic import request_key, to_slate
+    from hllm.data.traffic import request_key, to_slate
 
     slate = to_slate({**vars(r), "key": request_key(r.query, r.documents)})
     if grades:

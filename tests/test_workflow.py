@@ -5,9 +5,9 @@ import json
 import pyarrow.parquet as pq
 
 from hllm.config import load_config
-from hllm.job import JobConfig
-from hllm.stages import summary_lines
-from hllm.workflow import run
+from hllm.recipes.job import JobConfig
+from hllm.recipes.stages import summary_lines
+from hllm.recipes.workflow import run
 
 TINY_JOB = [
     "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=16",

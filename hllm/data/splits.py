@@ -8,14 +8,39 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass, field
+from typing import Literal
 
-from hllm.job import DataConfig
-from hllm.readers import read_slates
+from hllm.config import ConfigError
+from hllm.data.readers import read_slates
+from hllm.data.synthetic import SyntheticConfig, generate
 from hllm.records import RerankRequest
-from hllm.synthetic import generate
 
 log = logging.getLogger("hllm")
 SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class DataConfig:
+    """Where slates come from. `synthetic` is the embedded default; files are split by query id."""
+
+    source: Literal["synthetic", "beir", "rank_llm", "hllm"] = "synthetic"  # a reader in hllm.data.readers.READERS
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    path: str | None = None  # file sources: the BEIR folder or JSONL file
+    run_file: str | None = None  # beir: first-stage run (default runs/bm25_top100.tsv)
+    top_n: int = 20  # file sources: first-stage candidates per slate (N)
+    val_fraction: float = 0.1  # file sources: share of queries held out for validation ...
+    test_fraction: float = 0.2  # ... and for the test split
+
+    def __post_init__(self) -> None:
+        if self.source != "synthetic" and not self.path:
+            raise ConfigError(f"data.path is required for data.source={self.source!r}")
+        if self.source == "synthetic" and (self.path or self.run_file):
+            raise ConfigError("data.path / data.run_file are read only by file sources; data.source is 'synthetic'")
+        if self.run_file and self.source != "beir":
+            raise ConfigError(f"data.run_file is read only by data.source=beir, not {self.source!r}")
+        if not (0 <= self.val_fraction and 0 < self.test_fraction and self.val_fraction + self.test_fraction < 1):
+            raise ConfigError("data.val_fraction and data.test_fraction must leave queries for training")
 
 
 def query_bucket(qid: str) -> float:

@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from hllm.records import Candidate, Query, RerankRequest
 
-log = logging.getLogger("hllm.traffic")
+log = logging.getLogger("hllm.data.traffic")
 
 
 @dataclass

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hllm.decoding import DECODERS, is_permutation, rank1_energy
-from hllm.metrics import agreement, input_order_agreement, ir_measure_names, ir_metrics, ir_metrics_per_query, validity_rate
-from hllm.prompts import EncodedPrompt
+from hllm.eval.metrics import agreement, input_order_agreement, ir_measure_names, ir_metrics, ir_metrics_per_query, validity_rate
+from hllm.model.decoding import DECODERS, is_permutation, rank1_energy
+from hllm.model.prompts import EncodedPrompt
 from hllm.records import ParseCounts, RerankRequest, TeacherRanking
 from hllm.reranker import Reranker
 
@@ -44,7 +44,7 @@ class EvalConfig:
 
 
 def quality(requests: Sequence[RerankRequest], perms: Sequence[Sequence[int]], rel: int) -> dict[str, float]:
-    """Canonical IR metrics (`hllm.metrics.ir_measure_names`) of permutations of the slates."""
+    """Canonical IR metrics (`hllm.eval.metrics.ir_measure_names`) of permutations of the slates."""
     return ir_metrics(requests, perms, ir_measure_names(rel))
 
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import ir_measures
 
-from hllm.metrics import ir_measure_names
-from hllm.readers import DataFormatError, read_qrels, read_run
+from hllm.data.readers import DataFormatError, read_qrels, read_run
+from hllm.data.store import shard_name
+from hllm.eval.metrics import ir_measure_names
 from hllm.records import RerankRequest
-from hllm.store import shard_name
 
 
 def atomic_write(path: str | Path, text: str) -> None:
@@ -127,7 +127,7 @@ class ShardedRun:
 
 
 def run_measures(rel: int) -> dict[str, str]:
-    """The job's canonical nDCG@10 / MRR@10 (`hllm.metrics.ir_measure_names`) plus R@100."""
+    """The job's canonical nDCG@10 / MRR@10 (`hllm.eval.metrics.ir_measure_names`) plus R@100."""
     names = ir_measure_names(rel, depths=(10,))
     return {"nDCG@10": names["nDCG@10"], "MRR@10": names["MRR@10"], "R@100": f"R(rel={rel})@100"}
 

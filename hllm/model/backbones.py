@@ -31,7 +31,8 @@ import torch
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hllm import prompts, synthetic
+from hllm.data import synthetic
+from hllm.model import prompts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
@@ -92,7 +93,7 @@ def load_tiny(cfg: ModelConfig):
     return model.to(DTYPES[cfg.dtype]), tokenizer
 
 
-EMBEDDED_TEACHER = Path(__file__).resolve().parent / "assets" / "embedded-teacher"
+EMBEDDED_TEACHER = Path(__file__).resolve().parents[1] / "assets" / "embedded-teacher"
 PROVENANCE = "provenance.json"
 WEIGHTS = "model.safetensors"
 

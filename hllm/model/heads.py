@@ -37,7 +37,7 @@ class HeadConfig:
     width: int = 256  # attention head: model width
     num_heads: int = 4  # attention head: attention heads
     dropout: float = 0.0  # attention head: dropout while training
-    prior: Literal["none", "rank", "logrank"] = "none"  # first-stage rank prior + gated learned residual (hllm.heads.PRIORS)
+    prior: Literal["none", "rank", "logrank"] = "none"  # first-stage rank prior + gated learned residual (hllm.model.heads.PRIORS)
     prior_strength: float = 1.0  # rank prior: initial beta of -beta * (log(1 + n) - log(1 + k))^2 (learned)
 
     def __post_init__(self) -> None:
@@ -143,7 +143,7 @@ class LinearHead(nn.Module):
 class UtilityHead(nn.Module):
     """u_n = w . x_n + b, standardised within the slate (over its real items), spread over K positions
     by the DCG discount: (B, N, K) = z(u) (B, N, 1) * 1 / log2(k + 2) (K,). A linear probe: the
-    closed-form (ridge) fit of `hllm.head_fit.ridge_utility` sets w and b directly."""
+    closed-form (ridge) fit of `hllm.train.head_fit.ridge_utility` sets w and b directly."""
 
     def __init__(self, hidden: int, cfg: HeadConfig):
         super().__init__()

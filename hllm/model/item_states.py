@@ -137,7 +137,7 @@ def pooled_item_states(body: nn.Module, input_ids: torch.Tensor, attention_mask:
     if pooling == "last":
         return item_hidden_states(body, input_ids, attention_mask, item_positions)
     if item_spans is None:
-        raise ValueError(f"pooling {pooling!r} needs item_spans (hllm.prompts.collate makes them)")
+        raise ValueError(f"pooling {pooling!r} needs item_spans (hllm.model.prompts.collate makes them)")
     read = int(torch.maximum(item_positions.max(), item_spans[..., 1].max() - 1)) + 1  # causal: nothing later matters
     h = _last_layer_output(body, input_ids[:, :read], attention_mask[:, :read])  # (B, T', D)
     rows = torch.arange(len(h), device=h.device)[:, None]  # (B, 1)

@@ -68,7 +68,7 @@ def template_text() -> str:
 class PromptConfig:
     """How slates become prompts."""
 
-    template: Literal["rankgpt", "compact", "rankgpt-query"] = "rankgpt"  # prompt wording (hllm.prompts.TEMPLATES)
+    template: Literal["rankgpt", "compact", "rankgpt-query"] = "rankgpt"  # prompt wording (hllm.model.prompts.TEMPLATES)
     max_doc_tokens: int = 96  # per-candidate cap, before the context budget is applied
     max_query_tokens: int = 48  # longer queries are cut (and counted)
     use_chat_template: bool = True  # when the tokenizer has one

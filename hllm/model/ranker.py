@@ -26,10 +26,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hllm.config import from_dict, to_dict
-from hllm.heads import HeadConfig, build_head
-from hllm.item_states import POOLINGS, Pooling, pooled_item_states
-from hllm.models import ModelConfig, load_backbone, save_backbone, weights_dir
-from hllm.prompts import PromptBuilder, PromptConfig
+from hllm.model.backbones import ModelConfig, load_backbone, save_backbone, weights_dir
+from hllm.model.heads import HeadConfig, build_head
+from hllm.model.item_states import POOLINGS, Pooling, pooled_item_states
+from hllm.model.prompts import PromptBuilder, PromptConfig
 
 CONFIG_FILE = "hllm_ranker.json"
 CARD_FILE = "model_card.json"  # what the model knows (written by the job; optional)
@@ -77,7 +77,7 @@ class RankerConfig:
     # the head reads the states after this many decoder layers (the backbone is cut there: the layers
     # above are never run); None: all of them. A frozen LM often keeps relevance in its middle layers
     state_layer: int | None = None
-    # what the head reads of each candidate (hllm.item_states.POOLINGS): its last token's state (the
+    # what the head reads of each candidate (hllm.model.item_states.POOLINGS): its last token's state (the
     # paper's), the mean over its own tokens, or both side by side (the head's input is then 2D wide)
     pooling: Pooling = "last"
     # the list size the model ranks in one pass by default (`Reranker.load`, `hllm rerank`); longer
@@ -152,13 +152,13 @@ class SinglePassRanker(nn.Module):
                 item_mask: torch.Tensor, item_spans: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) prompts, (B, N) item positions, (B, N) mask, (B, N, 2) item spans (for a `mean` pooling)
         -> (B, N, K) item-position logits. With the `last` pooling the last decoder layer runs at the N
-        item positions only (`hllm.item_states`): the same states, less work."""
+        item positions only (`hllm.model.item_states`): the same states, less work."""
         return self.score_states(self.item_states(input_ids, attention_mask, item_positions, item_spans), item_mask)
 
     def item_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
                     item_spans: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) prompts, (B, N) item positions, (B, N, 2) spans -> (B, N, P * D): what the head reads (and
-        `hllm.state_cache` keeps), pooled as `cfg.pooling` says."""
+        `hllm.train.state_cache` keeps), pooled as `cfg.pooling` says."""
         return pooled_item_states(self.body, input_ids, attention_mask, item_positions, item_spans, self.cfg.pooling)
 
     def score_states(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:

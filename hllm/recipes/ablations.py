@@ -29,13 +29,13 @@ import torch
 from scipy import stats
 
 from hllm.config import ConfigError, from_dict, set_dotted, to_dict
-from hllm.evaluation import evaluate_student, quality
-from hllm.job import student_ranker_config
-from hllm.metrics import agreement, ir_metrics_per_query, validity_rate
-from hllm.models import ModelConfig
+from hllm.eval.evaluation import evaluate_student, quality
+from hllm.eval.metrics import agreement, ir_metrics_per_query, validity_rate
+from hllm.model.backbones import ModelConfig
+from hllm.recipes.job import student_ranker_config
+from hllm.recipes.stages import train_student_model
 from hllm.records import Candidate, Query, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
-from hllm.stages import train_student_model
 
 REFERENCE = "reference"
 # table columns: (label, key in a cell's flat metrics); the same names go to MLflow

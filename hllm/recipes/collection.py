@@ -3,7 +3,7 @@
     spec = RerankSpec(model="runs/default/student")                 # or teacher="runs/default"
     path, stats = rerank_collection(spec, slates, "run.trec", shard_size=64)
 
-Queries go in shards (`hllm.runfile.ShardedRun`): each shard is ranked by a `ShardRanker` (loaded
+Queries go in shards (`hllm.eval.runfile.ShardedRun`): each shard is ranked by a `ShardRanker` (loaded
 once per process, or once per Ray actor when a caller passes `map_shards`) and written atomically;
 a re-run resumes from the shards on disk. Lists longer than the window are ranked in windows, one
 prefill (student) or one generation (teacher) per window. A teacher answer that yields no
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hllm.eval.runfile import ShardedRun
 from hllm.records import RerankRequest
-from hllm.runfile import ShardedRun
 
 @dataclass
 class RerankSpec:
@@ -60,7 +60,7 @@ class ShardRanker:
             self.teacher = load_job_teacher(spec)
 
     def __call__(self, slates: Sequence[RerankRequest]) -> tuple[list[list[int]], dict[str, int]]:
-        from hllm.prompts import document_text
+        from hllm.model.prompts import document_text
 
         if self.spec.model is not None:
             docs = [[document_text(c) for c in s.candidates] for s in slates]
@@ -78,9 +78,9 @@ class ShardRanker:
 def load_job_teacher(spec: RerankSpec):
     """The AR teacher of a job's output folder, generating with the spec's window settings."""
     from hllm.config import from_dict
-    from hllm.job import JobConfig
-    from hllm.models import resolve_device
-    from hllm.stages import load_teacher, teacher_model
+    from hllm.model.backbones import resolve_device
+    from hllm.recipes.job import JobConfig
+    from hllm.recipes.stages import load_teacher, teacher_model
 
     folder = Path(spec.teacher)
     saved = folder / "config.json"

@@ -21,9 +21,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from hllm.metrics import agreement, ir_metrics
+from hllm.data.traffic import dedupe, keep_share, to_slate
+from hllm.eval.metrics import agreement, ir_metrics
 from hllm.records import RankedSlate, RerankRequest
-from hllm.traffic import dedupe, keep_share, to_slate
+from hllm.reranker import registry_alias
 
 
 class NothingToRefresh(ValueError):
@@ -60,12 +61,6 @@ class RefreshConfig:
             raise ValueError("refresh: need 2 <= min_slates <= max_slates")
 
 
-def registry_alias(uri: str) -> tuple[str, str] | None:
-    """`models:/NAME@ALIAS` -> (NAME, ALIAS); None for anything else (a folder, a version, a run)."""
-    name, _, alias = uri.removeprefix("models:/").partition("@")
-    return (name, alias) if uri.startswith("models:/") and name and alias else None
-
-
 @dataclass
 class Selection:
     """The cycle's new slates, split by a hash of the request, and what the log held besides."""
@@ -82,7 +77,7 @@ class Selection:
 
 
 def select_slates(rows: list[dict[str, Any]], counts: dict[str, int], cfg: RefreshConfig) -> Selection:
-    """Clean rows (`hllm.traffic.clean_rows`, each with its `key`) -> one slate per distinct request,
+    """Clean rows (`hllm.data.traffic.clean_rows`, each with its `key`) -> one slate per distinct request,
     at most `max_slates` (a hash of the request decides which: no order effects), split into
     fine-tuning and held-out traffic by another hash of the request."""
     unique, duplicates = dedupe(rows)

@@ -14,37 +14,14 @@ from pathlib import Path
 from typing import Literal
 
 from hllm.config import ConfigError
-from hllm.evaluation import EvalConfig
-from hllm.heads import HeadConfig
-from hllm.models import ModelConfig
-from hllm.prompts import PromptConfig
-from hllm.ranker import AdaptConfig, RankerConfig
-from hllm.synthetic import SyntheticConfig
-from hllm.teacher import TeacherConfig
-from hllm.training import BootstrapConfig, LossConfig, TrainConfig
-
-
-@dataclass
-class DataConfig:
-    """Where slates come from. `synthetic` is the embedded default; files are split by query id."""
-
-    source: Literal["synthetic", "beir", "rank_llm", "hllm"] = "synthetic"  # a reader in hllm.readers.READERS
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    path: str | None = None  # file sources: the BEIR folder or JSONL file
-    run_file: str | None = None  # beir: first-stage run (default runs/bm25_top100.tsv)
-    top_n: int = 20  # file sources: first-stage candidates per slate (N)
-    val_fraction: float = 0.1  # file sources: share of queries held out for validation ...
-    test_fraction: float = 0.2  # ... and for the test split
-
-    def __post_init__(self) -> None:
-        if self.source != "synthetic" and not self.path:
-            raise ConfigError(f"data.path is required for data.source={self.source!r}")
-        if self.source == "synthetic" and (self.path or self.run_file):
-            raise ConfigError("data.path / data.run_file are read only by file sources; data.source is 'synthetic'")
-        if self.run_file and self.source != "beir":
-            raise ConfigError(f"data.run_file is read only by data.source=beir, not {self.source!r}")
-        if not (0 <= self.val_fraction and 0 < self.test_fraction and self.val_fraction + self.test_fraction < 1):
-            raise ConfigError("data.val_fraction and data.test_fraction must leave queries for training")
+from hllm.data.splits import DataConfig
+from hllm.eval.evaluation import EvalConfig
+from hllm.model.backbones import ModelConfig
+from hllm.model.heads import HeadConfig
+from hllm.model.prompts import PromptConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig
+from hllm.teacher.generation import TeacherConfig
+from hllm.train.loop import BootstrapConfig, LossConfig, TrainConfig
 
 
 @dataclass
@@ -68,7 +45,7 @@ class StudentStageConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=300, batch_size=16, lr=1e-3))
     loss: LossConfig = field(default_factory=LossConfig)
-    # gates before distillation, on the teacher's train rankings (`hllm.stages.check_teacher`)
+    # gates before distillation, on the teacher's train rankings (`hllm.recipes.stages.check_teacher`)
     min_teacher_validity: float = 0.0  # fail if fewer teacher answers parsed cleanly
     max_teacher_same_as_input: float = 0.5  # fail if more answers repeat the first-stage order
     max_teacher_tau_to_input: float = 0.9  # fail if the mean Kendall tau to the first-stage order is higher
@@ -116,7 +93,7 @@ def student_ranker_config(cfg: JobConfig, teacher_model: ModelConfig) -> RankerC
     return RankerConfig(model=dataclasses.replace(model), adapt=s.adapt, head=s.head, prompt=cfg.prompt)
 
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

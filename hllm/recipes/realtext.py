@@ -1,15 +1,15 @@
 """Real text, across years: a single-pass head over a frozen LM, fitted on one TREC year's judged
 queries and tested on another's, then (optionally) fitted on all of them and shipped.
 
-    python -m hllm.realtext --config configs/realtext/smollm2-trec-dl.yaml [key=value ...]
+    python -m hllm.recipes.realtext --config configs/realtext/smollm2-trec-dl.yaml [key=value ...]
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml
 
 A recipe over the library's stages: every collection's top-`top_n` list is encoded as one prompt
 (`ranker.prompt`, passages cut to `prompt.max_doc_tokens`) and its item states are computed once
-by the frozen backbone, cut at `ranker.state_layer` and read as `ranker.pooling` (`hllm.state_cache`,
-`hllm.item_states.POOLINGS`). The head, under a first-stage prior (`head.prior`), is fitted on them
+by the frozen backbone, cut at `ranker.state_layer` and read as `ranker.pooling` (`hllm.train.state_cache`,
+`hllm.model.item_states.POOLINGS`). The head, under a first-stage prior (`head.prior`), is fitted on them
 by SGD (`fit: sgd`, its step count chosen by k-fold cross-validation over the training year's
-queries, `hllm.head_fit`) or in closed form (`fit: ridge`, a utility probe whose L2 weight and
+queries, `hllm.train.head_fit`) or in closed form (`fit: ridge`, a utility probe whose L2 weight and
 prior scale the same cross-validation chooses); never on the test year. Each fold reports, on every
 query of its test collection, the first stage and the student on the same candidates — the whole
 top `top_n` reranked in one pass, as `hllm rerank` does with this model (its `window` is `top_n`).
@@ -34,19 +34,19 @@ from typing import Any, Literal
 
 import torch
 
-from hllm.cache import fingerprint
 from hllm.config import load_config, to_dict
-from hllm.evaluation import first_stage_order, quality
-from hllm.head_fit import StateSlate, fit_head, ridge_utility, set_utility, state_orders
-from hllm.heads import HeadConfig
-from hllm.models import PROVENANCE, ModelConfig, file_sha256, resolve_device, smollm2_gguf_path, weights_dir
-from hllm.prompts import PromptConfig
-from hllm.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
-from hllm.readers import read_slates
+from hllm.data.cache import fingerprint
+from hllm.data.readers import read_slates
+from hllm.data.splits import query_bucket
+from hllm.eval.evaluation import first_stage_order, quality
+from hllm.model.backbones import PROVENANCE, ModelConfig, file_sha256, resolve_device, smollm2_gguf_path, weights_dir
+from hllm.model.heads import HeadConfig
+from hllm.model.prompts import PromptConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import RerankRequest
-from hllm.splits import query_bucket
-from hllm.state_cache import cached_states, states_key
-from hllm.training import LossConfig, TrainConfig
+from hllm.train.head_fit import StateSlate, fit_head, ridge_utility, set_utility, state_orders
+from hllm.train.loop import LossConfig, TrainConfig
+from hllm.train.state_cache import cached_states, states_key
 
 log = logging.getLogger("hllm")
 
@@ -320,7 +320,7 @@ def write_provenance(cfg: RealTextConfig, target: Path, record: dict[str, Any], 
     base = weights_dir(cfg.ranker.model) or (smollm2_gguf_path() if cfg.ranker.model.preset == "smollm2-135m" else None)
     base_file = base if base is not None and base.is_file() else None
     provenance = {
-        "made_by": "python -m hllm.realtext --config <the recipe below>",
+        "made_by": "python -m hllm.recipes.realtext --config <the recipe below>",
         "recipe": to_dict(cfg),
         "fit": {k: v for k, v in record.items() if k != "cv_grid"},
         "transfer": [{"collection": t["collection"], "queries": t["queries"], "first_stage_nDCG@10": t["first_stage"]["nDCG@10"],

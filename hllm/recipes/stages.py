@@ -1,11 +1,11 @@
 """The job's stages, one function each: bootstrap the teacher, the teacher's rankings of a split,
-train the student, evaluate. The single-process job (`hllm.workflow`) and the Ray pipelines call
+train the student, evaluate. The single-process job (`hllm.recipes.workflow`) and the Ray pipelines call
 these same functions; what differs is passed in: how slates are ranked (in this process, or a Ray
 Data actor pool) and how the student is fitted (in this process, or Ray Train + DeepSpeed).
 
-Each stage writes its output under `output_dir` with a `stage.json` fingerprint (`hllm.cache`);
+Each stage writes its output under `output_dir` with a `stage.json` fingerprint (`hllm.data.cache`);
 the same inputs and config reuse it. Teacher rankings are written shard by shard to the rankings
-store (`hllm.store`), so an interrupted generation resumes where it stopped.
+store (`hllm.data.store`), so an interrupted generation resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from hllm import store
-from hllm.cache import fingerprint, mark_done, stage_done, stage_info
-from hllm.calibration import Calibrator, calibration_report, fit_calibrator
-from hllm.evaluation import StudentEval, decoder_report, evaluate_teacher, first_stage_order, latency_profile, quality
-from hllm.job import JobConfig, StudentStageConfig, student_ranker_config
-from hllm.metrics import input_order_agreement
-from hllm.models import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
-                         save_backbone, weights_id)
-from hllm.prompts import PromptBuilder, PromptConfig
-from hllm.ranker import CONFIG_FILE, RankerConfig, SinglePassRanker, write_model_card
+from hllm.data import store
+from hllm.data.cache import fingerprint, mark_done, stage_done, stage_info
+from hllm.eval.evaluation import StudentEval, decoder_report, evaluate_teacher, first_stage_order, latency_profile, quality
+from hllm.eval.metrics import input_order_agreement
+from hllm.model.calibration import Calibrator, calibration_report, fit_calibrator
+from hllm.recipes.job import JobConfig, StudentStageConfig, student_ranker_config
+from hllm.model.backbones import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
+                                  save_backbone, weights_id)
+from hllm.model.prompts import PromptBuilder, PromptConfig
+from hllm.model.ranker import CONFIG_FILE, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import ParseCounts, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
-from hllm.teacher import ARTeacher
-from hllm.training import bootstrap_teacher, student_examples, train_student
+from hllm.teacher.generation import ARTeacher
+from hllm.train.loop import bootstrap_teacher, student_examples, train_student
 
 log = logging.getLogger("hllm")
 

@@ -1,8 +1,8 @@
 """The single-process job: data -> teacher bootstrap -> teacher rankings -> student -> evaluation.
 
-    python -m hllm.workflow [--config configs/default.yaml] [key=value ...]
+    python -m hllm.recipes.workflow [--config configs/default.yaml] [key=value ...]
 
-A recipe: it only calls the stages (`hllm.stages`) in order, in this process; nothing imports it.
+A recipe: it only calls the stages (`hllm.recipes.stages`) in order, in this process; nothing imports it.
 The Ray pipeline (`pipelines/full.py`) calls the same stages with Ray Data generation and Ray
 Train + DeepSpeed fitting passed in. Each stage reuses its output when its inputs are unchanged.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from hllm.config import load_config, to_dict
-from hllm.job import JobConfig, add_config_args
-from hllm.models import resolve_device
-from hllm.splits import SPLITS, load_splits
-from hllm.stages import (EvalReport, bootstrap_teacher_stage, evaluate_stage, fit_in_process, load_teacher, rank_in_process,
-                         summary_lines, teacher_rankings_stage, train_student_stage)
+from hllm.data.splits import SPLITS, load_splits
+from hllm.model.backbones import resolve_device
+from hllm.recipes.job import JobConfig, add_config_args
+from hllm.recipes.stages import (EvalReport, bootstrap_teacher_stage, evaluate_stage, fit_in_process, load_teacher, rank_in_process,
+                                 summary_lines, teacher_rankings_stage, train_student_stage)
 
 log = logging.getLogger("hllm")
 

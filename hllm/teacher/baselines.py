@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hllm.prompts import PromptBuilder, collate
+from hllm.model.prompts import PromptBuilder, collate
 from hllm.records import RerankRequest
 
 

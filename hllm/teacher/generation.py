@@ -3,7 +3,7 @@
 Batched (left padding), greedy, with the KV cache (`model.generate(use_cache=True)`). Optional
 constrained decoding allows, at each step, only the tokens that continue a valid answer: one of
 the identifiers not yet emitted, the separator, and the end of sequence once all N are out.
-The text is parsed by `hllm.parsing` with its counts; `repair` is the caller's choice.
+The text is parsed by `hllm.teacher.parsing` with its counts; `repair` is the caller's choice.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Literal
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from hllm.parsing import parse_ranking
-from hllm.prompts import PromptBuilder, PromptConfig, answer_reserve, collate
+from hllm.model.prompts import PromptBuilder, PromptConfig, answer_reserve, collate
+from hllm.model.windows import rank_with_windows
 from hllm.records import RerankRequest, TeacherRanking
-from hllm.windows import rank_with_windows
+from hllm.teacher.parsing import parse_ranking
 
 
 
@@ -31,7 +31,7 @@ class TeacherConfig:
     constrained: bool = False  # only valid continuations at each step
     repair: bool = False  # turn flawed answers into permutations (missing ids appended)
     max_new_tokens: int | None = None  # default: the full answer's length + 2
-    window: int | None = None  # slates longer than this are ranked in windows (hllm.windows)
+    window: int | None = None  # slates longer than this are ranked in windows (hllm.model.windows)
     stride: int = 10  # sliding windows: how far each window moves up
     windowing: Literal["sliding", "blocks"] = "sliding"  # RankGPT sliding windows, or a block tournament
 

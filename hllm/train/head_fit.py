@@ -1,6 +1,6 @@
 """The head alone, trained on cached item states (a frozen backbone), its steps chosen on held-out queries.
 
-Once the states are cached (`hllm.state_cache`) a step costs the head's forward and backward only
+Once the states are cached (`hllm.train.state_cache`) a step costs the head's forward and backward only
 (~10 ms for 8 slates of 100 candidates on 2 cores), so the head trains for thousands of steps in
 minutes, where a LoRA step through a 135M backbone costs seconds. Every `TrainConfig.log_every`
 steps the head ranks the validation queries (never the test ones) and the best head so far (by
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hllm.decoding import DECODERS
-from hllm.evaluation import quality
-from hllm.losses import mixed_loss
-from hllm.ranker import SinglePassRanker
+from hllm.eval.evaluation import quality
+from hllm.model.decoding import DECODERS
+from hllm.model.ranker import SinglePassRanker
 from hllm.records import RerankRequest
-from hllm.training import LossConfig, TorchOptimizer, TrainConfig, batches, padded_targets, train_loop
+from hllm.train.loop import LossConfig, TorchOptimizer, TrainConfig, batches, padded_targets, train_loop
+from hllm.train.losses import mixed_loss
 
 
 @dataclass

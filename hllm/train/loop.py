@@ -23,11 +23,11 @@ from typing import Literal, Protocol
 
 import torch
 
-from hllm.losses import LOSSES, NEG, listnet_kl, mixed_loss
-from hllm.parsing import format_ranking
-from hllm.prompts import EncodedPrompt, PromptBuilder, collate
-from hllm.ranker import AdaptConfig, adapt_backbone
+from hllm.model.prompts import EncodedPrompt, PromptBuilder, collate
+from hllm.model.ranker import AdaptConfig, adapt_backbone
 from hllm.records import RankedSlate, RerankRequest
+from hllm.teacher.parsing import format_ranking
+from hllm.train.losses import LOSSES, NEG, listnet_kl, mixed_loss
 
 
 @dataclass
@@ -57,7 +57,7 @@ class TrainConfig:
 class LossConfig:
     """Which losses, with weights. Teacher terms need teacher rankings, graded terms need grades."""
 
-    terms: dict[str, float] = field(default_factory=lambda: {"position_ce": 1.0})  # loss name -> weight (hllm.losses.LOSSES)
+    terms: dict[str, float] = field(default_factory=lambda: {"position_ce": 1.0})  # loss name -> weight (hllm.train.losses.LOSSES)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.terms) - set(LOSSES))

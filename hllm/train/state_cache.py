@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from hllm.cache import fingerprint
-from hllm.models import weights_id
-from hllm.prompts import collate, document_text
-from hllm.ranker import RankerConfig, SinglePassRanker
+from hllm.data.cache import fingerprint
+from hllm.model.backbones import weights_id
+from hllm.model.prompts import collate, document_text
+from hllm.model.ranker import RankerConfig, SinglePassRanker
 from hllm.records import RerankRequest
 
 KEY_FILE = "states.json"

@@ -1,0 +1,2 @@
+"""Recipes: the jobs that run the library end to end (the single-process workflow, real text, ablations, the
+flywheel, collection reranking). Leaves: they import every layer; nothing in `hllm` imports them."""
