@@ -54,7 +54,7 @@ TEMPLATES = {
                         label_after=True),
     # RankGPT's wording with the query restated after every passage: for a frozen LM read at each passage's
     # last token (a probe of SmolLM2's layer-20 states on TREC DL19, 5-fold CV over queries, top 100: 0.530
-    # nDCG@10 with the restated query, 0.415 without; BM25 0.506; README "Real text")
+    # nDCG@10 with the restated query, 0.415 without; BM25 0.506; docs/real-text.md)
     "rankgpt-query": Template(PREFIX, SUFFIX, item_query=" Query: {query}"),
 }
 
