@@ -22,11 +22,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hllm.data.plane import (DataFormatError, parse_doc_lines, parse_qrels_lines, parse_query_lines, parse_run_lines,
+                              slates_in_memory)
 from hllm.records import Candidate, Query, RerankRequest, record_to_dict, request_from_dict
-
-
-class DataFormatError(ValueError):
-    """Malformed input; the message names the file and line."""
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -49,84 +47,50 @@ def _field(obj: dict[str, Any], key: str, path: Path, lineno: int, where: str = 
     return obj[key]
 
 
-def _tsv_rows(path: Path, min_cols: int) -> Iterator[tuple[int, list[str]]]:
-    with open(path, encoding="utf-8", newline="") as fh:
-        for lineno, row in enumerate(csv.reader(fh, delimiter="\t"), start=1):
-            if len(row) == 1:  # space-separated TREC files
-                row = row[0].split()
-            if not row or not "".join(row).strip():
-                continue
-            if lineno == 1 and row[0] in ("query-id", "qid", "query_id"):
-                continue
-            if len(row) < min_cols:
-                raise DataFormatError(f"{path}:{lineno}: expected >= {min_cols} columns, got {row}")
-            yield lineno, row
+def _lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
 
 
 def read_qrels(path: str | Path) -> dict[str, dict[str, int]]:
     """BEIR `query-id corpus-id score` or TREC `qid 0 docid grade` -> {qid: {docid: grade}}."""
-    path = Path(path)
+    rows, bad = parse_qrels_lines(_lines(Path(path)), str(path), first_line=1)
+    bad.check(len(rows), 0.0, str(path))
     qrels: dict[str, dict[str, int]] = defaultdict(dict)
-    for lineno, row in _tsv_rows(path, 3):
-        qid, docid, grade = (row[0], row[2], row[3]) if len(row) >= 4 else (row[0], row[1], row[2])
-        try:
-            qrels[qid][docid] = int(float(grade))
-        except ValueError:
-            raise DataFormatError(f"{path}:{lineno}: relevance {grade!r} is not a number") from None
+    for r in rows:
+        qrels[r["qid"]][r["docid"]] = r["grade"]
     return dict(qrels)
 
 
 def read_run(path: str | Path) -> dict[str, list[tuple[str, float]]]:
     """TREC-style run -> {qid: [(docid, score), ...]} in rank order."""
-    path = Path(path)
-    rows: dict[str, list[tuple[int, str, float]]] = defaultdict(list)
-    for lineno, row in _tsv_rows(path, 4):
-        if len(row) >= 6:  # qid Q0 docid rank score tag
-            qid, docid, rank, score = row[0], row[2], row[3], row[4]
-        else:
-            qid, docid, rank, score = row[0], row[1], row[2], row[3]
-        try:
-            rows[qid].append((int(rank), docid, float(score)))
-        except ValueError:
-            raise DataFormatError(f"{path}:{lineno}: rank/score not numeric in {row}") from None
-    return {qid: [(d, s) for _, d, s in sorted(hits, key=lambda h: h[0])] for qid, hits in rows.items()}
+    rows, bad = parse_run_lines(_lines(Path(path)), str(path), first_line=1)
+    bad.check(len(rows), 0.0, str(path))
+    hits: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        hits[r["qid"]].append(r)
+    return {qid: [(h["docid"], h["score"]) for h in sorted(hs, key=lambda h: h["rank"])] for qid, hs in hits.items()}
 
 
-def read_beir(
-    root: str | Path, run_file: str | Path | None = None, top_n: int = 20, split: str = "test"
-) -> list[RerankRequest]:
-    """BEIR folder + first-stage run -> one slate of the top `top_n` per judged query.
-
+def read_beir(root: str | Path, run_file: str | Path | None = None, top_n: int = 20, split: str = "test",
+              max_bad_share: float = 0.0) -> list[RerankRequest]:
+    """BEIR folder + first-stage run -> one slate of the top `top_n` per query of the run, by the data
+    plane's per-batch functions (`hllm.data.plane`) over whole files: the slates the Ray data stage
+    (`pipelines/data.py`) makes, in one process. Bad input is counted per reason; past
+    `max_bad_share` of the run's rows a reason stops the read, naming it, its count and an example.
     Judged documents that the run did not retrieve into the slate stay in `extra_qrels`, so
     nDCG's ideal DCG counts them, as trec_eval does.
     """
     root = Path(root)
     run_path = Path(run_file) if run_file else root / "runs" / "bm25_top100.tsv"
-    corpus = {}
-    for lineno, obj in _jsonl(root / "corpus.jsonl"):
-        corpus[str(_field(obj, "_id", root / "corpus.jsonl", lineno))] = obj
-    queries = {}
-    for lineno, obj in _jsonl(root / "queries.jsonl"):
-        queries[str(_field(obj, "_id", root / "queries.jsonl", lineno))] = str(
-            _field(obj, "text", root / "queries.jsonl", lineno))
-    qrels = read_qrels(root / "qrels" / f"{split}.tsv")
-    run = read_run(run_path)
-    slates = []
-    for qid in sorted(run, key=lambda q: (len(q), q)):
-        if qid not in queries:
-            raise DataFormatError(f"{run_path}: query {qid!r} is not in {root / 'queries.jsonl'}")
-        judged = qrels.get(qid, {})
-        cands, grades = [], []
-        for docid, score in run[qid][:top_n]:
-            if docid not in corpus:
-                raise DataFormatError(f"{run_path}: document {docid!r} is not in {root / 'corpus.jsonl'}")
-            doc = corpus[docid]
-            cands.append(Candidate(docid=docid, text=str(doc.get("text", "")), score=score,
-                                   title=str(doc.get("title") or "")))
-            grades.append(judged.get(docid))
-        in_slate = {c.docid for c in cands}
-        extra = {d: g for d, g in judged.items() if d not in in_slate}
-        slates.append(RerankRequest(Query(qid, queries[qid]), cands, grades, extra))
+    run, bad = parse_run_lines(_lines(run_path), str(run_path), first_line=1)
+    parts = [parse_qrels_lines(_lines(root / "qrels" / f"{split}.tsv"), str(root / "qrels" / f"{split}.tsv"), 1),
+             parse_doc_lines(_lines(root / "corpus.jsonl"), str(root / "corpus.jsonl")),
+             parse_query_lines(_lines(root / "queries.jsonl"), str(root / "queries.jsonl"))]
+    for _, b in parts:
+        bad.merge(b)
+    (qrels, _), (docs, _), (queries, _) = parts
+    slates, b = slates_in_memory(run, qrels, docs, queries, top_n)
+    bad.merge(b).check(len(run), max_bad_share, str(run_path))
     return slates
 
 

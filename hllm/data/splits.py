@@ -31,6 +31,9 @@ class DataConfig:
     top_n: int = 20  # file sources: first-stage candidates per slate (N)
     val_fraction: float = 0.1  # file sources: share of queries held out for validation ...
     test_fraction: float = 0.2  # ... and for the test split
+    # file sources: rows with bad input (hllm.data.plane.REASONS: an unreadable line, a missing passage, a query
+    # without text, a repeated candidate) are counted per reason; past this share of the run's rows the job stops
+    max_bad_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.source != "synthetic" and not self.path:
@@ -41,6 +44,8 @@ class DataConfig:
             raise ConfigError(f"data.run_file is read only by data.source=beir, not {self.source!r}")
         if not (0 <= self.val_fraction and 0 < self.test_fraction and self.val_fraction + self.test_fraction < 1):
             raise ConfigError("data.val_fraction and data.test_fraction must leave queries for training")
+        if not 0 <= self.max_bad_share < 1:
+            raise ConfigError("data.max_bad_share must be in [0, 1)")
 
 
 def query_bucket(qid: str) -> float:
@@ -56,8 +61,15 @@ def load_splits(cfg: DataConfig) -> dict[str, list[RerankRequest]]:
                  {k: len(v) for k, v in splits.items()}, stats.redrawn_no_relevant)
         return splits
     kwargs = {"run_file": cfg.run_file} if cfg.run_file else {}
+    if cfg.source == "beir":
+        kwargs["max_bad_share"] = cfg.max_bad_share
     splits: dict[str, list[RerankRequest]] = {name: [] for name in SPLITS}
     for s in read_slates(cfg.source, cfg.path, top_n=cfg.top_n, **kwargs):
-        b = query_bucket(s.slate_id)
-        splits["test" if b < cfg.test_fraction else "val" if b < cfg.test_fraction + cfg.val_fraction else "train"].append(s)
+        splits[split_of(s.slate_id, cfg)].append(s)
     return splits
+
+
+def split_of(qid: str, cfg: DataConfig) -> str:
+    """A file source's query -> its split, by the hash of its id."""
+    b = query_bucket(qid)
+    return "test" if b < cfg.test_fraction else "val" if b < cfg.test_fraction + cfg.val_fraction else "train"

@@ -53,12 +53,15 @@ class SyntheticConfig:
     pairs_with_rate: float = 0.5  # share of titles naming another category ("pairs with boots")
     min_attributes: int = 1  # attributes a query names (of brand, colour, material), min..max
     max_attributes: int = 3  # (see min_attributes)
+    shards: int = 1  # each split drawn in this many shards, each from its own seed (parallel tasks on Ray); 1: one stream
 
     def __post_init__(self) -> None:
         if self.slate_size < 2:
             raise ValueError("data.slate_size must be >= 2")
         if self.catalogue_size < 4 * self.slate_size:
             raise ValueError("data.catalogue_size must be >= 4 * data.slate_size")
+        if self.shards < 1:
+            raise ValueError("data.synthetic.shards must be >= 1")
         if not 1 <= self.min_attributes <= self.max_attributes <= len(ATTRIBUTES):
             raise ValueError(f"need 1 <= data.min_attributes <= data.max_attributes <= {len(ATTRIBUTES)}")
 
@@ -147,12 +150,36 @@ def generate_split(name: str, n_slates: int, catalogue: list[Item], bm25: BM25Ok
     return slates
 
 
-def generate(cfg: SyntheticConfig) -> tuple[dict[str, list[RerankRequest]], SyntheticStats]:
-    """-> ({"train": [...], "val": [...], "test": [...]}, stats). Same seed, same slates."""
+def _catalogue(cfg: SyntheticConfig) -> tuple[list[Item], BM25Okapi, random.Random]:
     rng = random.Random(cfg.seed)
     catalogue = make_catalogue(cfg, rng)
-    bm25 = BM25Okapi([item.title.split() for item in catalogue])
+    return catalogue, BM25Okapi([item.title.split() for item in catalogue]), rng
+
+
+def split_sizes(cfg: SyntheticConfig) -> dict[str, int]:
+    return {"train": cfg.train_slates, "val": cfg.val_slates, "test": cfg.test_slates}
+
+
+def generate(cfg: SyntheticConfig) -> tuple[dict[str, list[RerankRequest]], SyntheticStats]:
+    """-> ({"train": [...], "val": [...], "test": [...]}, stats). Same seed (and shard count), same slates.
+    One shard: one random stream through the three splits; more: every (split, shard) of
+    `generate_shard`, concatenated — the slates that the Ray data stage's parallel tasks write."""
+    if cfg.shards > 1:
+        stats = SyntheticStats()
+        splits = {name: [s for shard in range(cfg.shards) for s in generate_shard(cfg, name, shard, stats)]
+                  for name in split_sizes(cfg)}
+        return splits, stats
+    catalogue, bm25, rng = _catalogue(cfg)
     stats = SyntheticStats()
-    splits = {name: generate_split(name, n, catalogue, bm25, cfg, rng, stats)
-              for name, n in (("train", cfg.train_slates), ("val", cfg.val_slates), ("test", cfg.test_slates))}
+    splits = {name: generate_split(name, n, catalogue, bm25, cfg, rng, stats) for name, n in split_sizes(cfg).items()}
     return splits, stats
+
+
+def generate_shard(cfg: SyntheticConfig, split: str, shard: int, stats: SyntheticStats | None = None) -> list[RerankRequest]:
+    """Shard `shard` of `cfg.shards` of one split: its share of the split's slates, drawn from a seed of its
+    own (`seed/split/shard`) over the one catalogue, so any worker makes the same shard."""
+    catalogue, bm25, _ = _catalogue(cfg)
+    base, extra = divmod(split_sizes(cfg)[split], cfg.shards)
+    rng = random.Random(f"{cfg.seed}/{split}/{shard}")
+    return generate_split(f"{split}-{shard:04d}", base + (shard < extra), catalogue, bm25, cfg, rng,
+                          stats if stats is not None else SyntheticStats())

@@ -1,0 +1,208 @@
+"""The data stage at scale: Ray Data streams a collection from storage into slate shards; the driver holds no row.
+
+    ray job submit --working-dir . -- python pipelines/data.py data.source=beir data.path=s3://bucket/msmarco [key=value ...]
+    python pipelines/data.py data.source=beir data.path=../shared/data/trec-dl19-passage-bm25top100 data.top_n=100
+    python pipelines/data.py data.synthetic.shards=16                      # the embedded generator, 16 parallel tasks
+
+A BEIR collection (`corpus.jsonl`, `queries.jsonl`, `qrels/test.tsv`, the run `data.run_file` or
+`runs/bm25_top100.tsv`; a file or a folder of parts each; a local path or any URI pyarrow's
+filesystems open, `s3://`, `gs://`, ...) is read with `ray.data.read_text`; every block is parsed by
+the library (`hllm.data.plane`), rows are hash-partitioned by docid to take their passage, then by qid
+to make each query's slate (two shuffles, the grouping done by the library within each partition;
+`Dataset.join` would be three joins and a group-by, and needs polars), split by the hash of the query id as in one process, and written as Parquet under
+`output_dir/slates/<fingerprint>/split=<name>/`, one `slate` column in the rankings store's schema.
+The embedded generator runs as one task per (split, shard) of `data.synthetic.shards`.
+
+Bad input is counted per reason (`hllm.data.plane.REASONS`) in a ledger actor (keyed by batch, so a
+retried task does not count twice), written to `stage.json` and MLflow; past `data.max_bad_share` of
+the run's rows the stage fails with the reason, its count and an example, and writes no slates. The
+driver reads back counts, never rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import resource
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
+
+import pyarrow as pa  # noqa: E402
+
+from hllm.config import from_dict, to_dict  # noqa: E402
+from hllm.data import plane, store  # noqa: E402
+from hllm.data.cache import fingerprint, mark_done, stage_done, stage_info  # noqa: E402
+from hllm.data.splits import SPLITS, DataConfig, split_of  # noqa: E402
+from hllm.data.synthetic import generate, generate_shard  # noqa: E402
+from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
+
+log = logging.getLogger("hllm.pipelines.data")
+OUT_SCHEMA = pa.schema([*store.SLATES_SCHEMA, pa.field("split", pa.string())])
+
+
+@dataclass
+class SlateShards:
+    """A finished data stage: where each split's slate shards are, and what it counted."""
+
+    directory: Path
+    stats: dict[str, Any]  # slates per split, rows read per source, bad input per reason, seconds, slates/s, driver MB
+
+    def split_dir(self, split: str) -> Path:
+        return self.directory / f"split={split}"
+
+
+class Ledger:
+    """Bad input and rows read, per batch key (a retried task overwrites its own entry)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, int, dict[str, int], dict[str, str]]] = {}
+
+    def put(self, key: str, source: str, rows: int, counts: dict[str, int], examples: dict[str, str]) -> None:
+        self.entries[key] = (source, rows, counts, examples)
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
+        rows: dict[str, int] = {}
+        bad = plane.BadRows()
+        for source, n, counts, examples in self.entries.values():
+            rows[source] = rows.get(source, 0) + n
+            bad.merge(plane.BadRows(counts, examples))
+        return rows, bad.counts, bad.examples
+
+
+def _record(ledger: Any, key: str, source: str, rows: int, bad: plane.BadRows) -> None:
+    import ray
+
+    ray.get(ledger.put.remote(key, source, rows, bad.counts, bad.examples))
+
+
+def _parse_block(batch: pa.Table, source: str, where: str, ledger: Any) -> pa.Table:
+    """A block of lines -> rows of `plane.ROW_SCHEMA` (bad lines counted in the ledger)."""
+    lines = batch.column("text").to_pylist()
+    rows, bad = plane.PARSERS[source](lines, where)
+    key = hashlib.sha256("\n".join([source, str(len(lines)), *lines[:1], *lines[-1:]]).encode()).hexdigest()
+    _record(ledger, key, source, len(rows), bad)
+    return pa.Table.from_pylist(plane.tagged(rows, plane.KINDS[source]), schema=plane.ROW_SCHEMA)
+
+
+def _attach_block(block: pa.Table) -> pa.Table:
+    """A hash partition by docid -> its run and qrels rows with their passages."""
+    return pa.Table.from_pylist(plane.attach_passages(block.to_pylist()), schema=plane.ROW_SCHEMA)
+
+
+def _assemble_block(block: pa.Table, data: dict[str, Any], ledger: Any) -> pa.Table:
+    """A hash partition by qid -> a slate row per query, with its split (bad input to the ledger)."""
+    cfg = from_dict(DataConfig, data)
+    slates, bad = plane.assemble_slates(block.to_pylist(), cfg.top_n)
+    if bad.total:
+        _record(ledger, "slates/" + ",".join(sorted(bad.examples.values()))[:400], "slates", 0, bad)
+    return store.slates_table(slates).append_column("split", pa.array([split_of(s.slate_id, cfg) for s in slates], pa.string()))
+
+
+def _synthetic_task(batch: dict[str, Any], data: dict[str, Any]) -> pa.Table:
+    """One (split, shard) of the embedded generator -> its slate rows (shards = 1: the whole data set, one stream)."""
+    cfg = from_dict(DataConfig, data).synthetic
+    parts = []
+    for split, shard in zip(batch["split"], batch["shard"]):
+        slates = generate(cfg)[0] if cfg.shards == 1 else {split: generate_shard(cfg, split, int(shard))}
+        for name, items in slates.items():
+            parts.append(store.slates_table(items).append_column("split", pa.array([name] * len(items), pa.string())))
+    return pa.concat_tables(parts) if parts else OUT_SCHEMA.empty_table()
+
+
+def _beir_paths(cfg: DataConfig) -> dict[str, str]:
+    root = cfg.path.rstrip("/")
+    return {"run": cfg.run_file or f"{root}/runs/bm25_top100.tsv", "qrels": f"{root}/qrels/test.tsv",
+            "corpus": f"{root}/corpus.jsonl", "queries": f"{root}/queries.jsonl"}
+
+
+def slates_dataset(cfg: PipelineConfig, ledger: Any) -> Any:
+    """The plan (lazy): the collection's slate rows with their split; nothing runs until it is written."""
+    import ray
+
+    data = to_dict(cfg.data)
+    if cfg.data.source == "synthetic":
+        s = cfg.data.synthetic
+        tasks = [{"split": "all", "shard": 0}] if s.shards == 1 else [
+            {"split": name, "shard": i} for name in SPLITS for i in range(s.shards)]
+        return ray.data.from_items(tasks, override_num_blocks=len(tasks)).map_batches(
+            _synthetic_task, fn_kwargs={"data": data}, batch_size=1, batch_format="numpy")
+    if cfg.data.source != "beir":
+        raise ValueError(f"the Ray data stage reads data.source=beir or synthetic, not {cfg.data.source!r} "
+                         "(a rank_llm / hLLM JSONL is one slate a line: pipelines/rerank.py streams those)")
+    partitions = cfg.cluster.data_partitions or 2 * int(ray.cluster_resources().get("CPU", 1))
+    read = {source: ray.data.read_text(path).map_batches(
+                _parse_block, fn_kwargs={"source": source, "where": path, "ledger": ledger}, batch_format="pyarrow")
+            for source, path in _beir_paths(cfg.data).items()}
+    # a hash partition holds every row of its keys: the library groups within it (one call per block, not per key)
+    with_passages = read["run"].union(read["qrels"], read["corpus"]).repartition(partitions, keys=["docid"]) \
+        .map_batches(_attach_block, batch_size=None, batch_format="pyarrow")
+    return with_passages.union(read["queries"]).repartition(partitions, keys=["qid"]).map_batches(
+        _assemble_block, fn_kwargs={"data": data, "ledger": ledger}, batch_size=None, batch_format="pyarrow")
+
+
+def run(cfg: PipelineConfig) -> SlateShards:
+    """Writes the slate shards (reused when the data config is unchanged) -> where they are and the stats."""
+    import ray
+
+    key = fingerprint(cfg.data)
+    directory = Path(cfg.output_dir) / "slates" / key
+    if stage_done(directory, key):
+        log.info("data: reusing %s", directory)
+        return SlateShards(directory, stage_info(directory)["stats"])
+    init_ray(cfg.cluster)
+    ledger = ray.remote(num_cpus=0)(Ledger).remote()
+    tmp = directory.with_name(f".{key}.{uuid.uuid4().hex[:8]}")
+    t0 = time.perf_counter()
+    slates_dataset(cfg, ledger).write_parquet(str(tmp), partition_cols=["split"])
+    seconds = time.perf_counter() - t0
+    rows, counts, examples = ray.get(ledger.totals.remote())
+    bad = plane.BadRows(counts, examples)
+    try:
+        bad.check(rows.get("run", 0), cfg.data.max_bad_share, cfg.data.path or "embedded data")
+    except plane.DataFormatError:
+        shutil.rmtree(tmp, ignore_errors=True)  # no slates from data past its bad-input budget
+        raise
+    slates = {name: _count_rows(tmp / f"split={name}") for name in SPLITS}
+    if directory.exists():
+        shutil.rmtree(directory)  # another run's leftovers: the same key, so the same slates
+    tmp.rename(directory)
+    stats = {"slates": slates, "rows_read": rows, "bad": bad.counts, "bad_examples": bad.examples,
+             "seconds": round(seconds, 2), "slates_per_s": round(sum(slates.values()) / max(seconds, 1e-9), 1),
+             "driver_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    mark_done(directory, key, stats=stats)
+    log.info("data: %s slates in %.1fs (%.0f slates/s), bad input %s, driver peak %.0f MB -> %s", slates, seconds,
+             stats["slates_per_s"], bad.counts or "none", stats["driver_peak_mb"], directory)
+    return SlateShards(directory, stats)
+
+
+def _count_rows(folder: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in folder.glob("*.parquet")) if folder.is_dir() else 0
+
+
+def main(argv: list[str] | None = None) -> SlateShards:
+    cfg, _ = parse_job("The data stage: slates from a collection, streamed by Ray Data", argv)
+    with mlflow_run(cfg, "data"):
+        result = run(cfg)
+        s = result.stats
+        log_metrics({k: s[k] for k in ("seconds", "slates_per_s", "driver_peak_mb", "slates", "rows_read", "bad")},
+                    prefix="data.")
+        if s["bad_examples"]:
+            import mlflow
+
+            mlflow.set_tag("data.bad_examples", json.dumps(s["bad_examples"])[:5000])
+    print(f"data: {result.directory} | slates {s['slates']} | {s['slates_per_s']} slates/s | bad input {s['bad'] or 'none'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
