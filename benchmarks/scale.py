@@ -79,12 +79,34 @@ def measure(root: Path, out: Path, cpus: int) -> dict:
     return {**stats, "process_s": round(wall, 1), "object_store_peak_mb": round(peak[0] / 2**20, 1)}
 
 
+def measure_teacher(n: int, out: Path, cpus: int) -> dict:
+    """The embedded default's data (`n` train slates, drawn as parallel shards) and its shipped teacher:
+    the data stage, then teacher generation streamed from its shards (2 actors), in a fresh driver."""
+    subprocess.run([sys.executable, str(ROOT / "pipelines" / "teacher_gen.py"), f"output_dir={out}",
+                    f"data.synthetic.train_slates={n}", "data.synthetic.val_slates=50", "data.synthetic.test_slates=50",
+                    f"data.synthetic.shards={max(1, n // 1000)}", f"cluster.local_cpus={cpus}"],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+    (stage,) = (out / "rankings").glob("train-*/stage.json")
+    return json.loads(stage.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
     parser.add_argument("--work", default="/tmp/hllm-scale", help="where the collections and outputs go (deleted after)")
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray")
+    parser.add_argument("--teacher-sizes", type=int, nargs="*", default=[1000, 10000],
+                        help="train slates for the teacher-generation lines (embedded teacher and data)")
     args = parser.parse_args()
+    teacher = []
+    for n in args.teacher_sizes:
+        out = Path(args.work) / f"teacher-{n}"
+        shutil.rmtree(out, ignore_errors=True)
+        t = measure_teacher(n, out, args.cpus)
+        teacher.append({"size": n, **{k: t[k] for k in ("slates", "seconds", "slates_per_s", "output_tokens_per_s",
+                                                           "worker_peak_mb")}})
+        print(json.dumps(teacher[-1]), flush=True)
+        shutil.rmtree(out)
     rows = []
     for n in args.sizes:
         root, out = Path(args.work) / f"beir-{n}", Path(args.work) / f"out-{n}"
@@ -105,6 +127,14 @@ def main() -> None:
              f"{args.cpus} logical CPUs; N = 20 of each query's top 100; one run.", "", *table, ""]
     lines += [f"driver peak MB at 1e{len(str(r['size'])) - 1}: {r['driver_peak_mb']}" for r in rows]
     lines += [f"data slates/s at 1e{len(str(r['size'])) - 1}: {r['slates_per_s']}" for r in rows]
+    if teacher:
+        lines += ["", "Teacher generation streamed from the slate shards (the embedded teacher, 2 actors, the embedded "
+                  "default's data drawn as 1 shard per 1,000 train slates; the train split's stage, actor start-up "
+                  "included):", "", "| train slates | seconds | slates/s | output tokens/s | teacher worker peak RSS |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {t['size']:,} | {t['seconds']:.1f} | {t['slates_per_s']:.1f} | {t['output_tokens_per_s']:,.0f} | "
+                  f"{t['worker_peak_mb']:,.0f} MB |" for t in teacher]
+        lines += [""] + [f"teacher slates/s at 1e{len(str(t['size'])) - 1}: {t['slates_per_s']:.1f}" for t in teacher]
     write_report("scale", "The data stage at scale", "\n".join(lines))
     try:
         import matplotlib

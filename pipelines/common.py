@@ -59,6 +59,9 @@ class DistillConfig:
     zero_stage: Literal[0, 1, 2] = 2  # ZeRO-3 would need a parameter gather before saving
     checkpoint_every: int = 50  # steps between Ray Train checkpoints (a failed worker resumes from the last)
     max_failures: int = 2  # worker failures Ray Train recovers from before the stage fails
+    # the train rankings are materialised in the object store (read once, not every epoch) when their decoded
+    # size is at most this; a larger store streams from storage to the workers each epoch (read_parquet + shards)
+    materialize_mb: float = 1024.0
 
 
 @dataclass

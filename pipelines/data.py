@@ -45,6 +45,7 @@ from hllm.data.synthetic import generate, generate_shard  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.data")
+STAGE_VERSION = 2  # what the stage writes beside the slates (2: per-split id sums, tasks by node)
 OUT_SCHEMA = pa.schema([*store.SLATES_SCHEMA, pa.field("split", pa.string())])
 
 
@@ -60,13 +61,37 @@ class SlateShards:
 
 
 class Ledger:
-    """Bad input and rows read, per batch key (a retried task overwrites its own entry)."""
+    """Bad input and rows read, slates made per split (count and id sum), and the node of each task,
+    per batch key (a retried task overwrites its own entry)."""
 
     def __init__(self) -> None:
         self.entries: dict[str, tuple[str, int, dict[str, int], dict[str, str]]] = {}
+        self.slates: dict[str, dict[str, tuple[int, int]]] = {}
+        self.nodes: dict[str, tuple[str, str]] = {}
 
-    def put(self, key: str, source: str, rows: int, counts: dict[str, int], examples: dict[str, str]) -> None:
+    def put(self, key: str, source: str, rows: int, counts: dict[str, int], examples: dict[str, str], node: str = "") -> None:
         self.entries[key] = (source, rows, counts, examples)
+        self.nodes[key] = (source, node)
+
+    def put_slates(self, key: str, by_split: dict[str, tuple[int, int]], node: str = "") -> None:
+        self.slates[key] = by_split
+        self.nodes[key] = ("slates", node)
+
+    def slate_totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        """-> (slates per split, id sum per split)."""
+        count, ids = {name: 0 for name in SPLITS}, {name: 0 for name in SPLITS}
+        for by_split in self.slates.values():
+            for name, (n, digest) in by_split.items():
+                count[name] += n
+                ids[name] = (ids[name] + digest) % store.ID_SUM_MOD
+        return count, ids
+
+    def tasks_by_node(self) -> dict[str, dict[str, int]]:
+        """-> {task kind (a source, or "slates"): {node id: tasks}}."""
+        out: dict[str, dict[str, int]] = {}
+        for kind, node in self.nodes.values():
+            out.setdefault(kind, {})[node] = out.setdefault(kind, {}).get(node, 0) + 1
+        return out
 
     def totals(self) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
         rows: dict[str, int] = {}
@@ -77,10 +102,28 @@ class Ledger:
         return rows, bad.counts, bad.examples
 
 
+def _node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def _record(ledger: Any, key: str, source: str, rows: int, bad: plane.BadRows) -> None:
     import ray
 
-    ray.get(ledger.put.remote(key, source, rows, bad.counts, bad.examples))
+    ray.get(ledger.put.remote(key, source, rows, bad.counts, bad.examples, _node()))
+
+
+def _with_split(slates: list, splits: list[str], ledger: Any) -> pa.Table:
+    """Slates and their splits -> the output rows; their count and id sum per split to the ledger."""
+    import ray
+
+    by_split: dict[str, list[str]] = {}
+    for s, name in zip(slates, splits):
+        by_split.setdefault(name, []).append(s.slate_id)
+    key = store.shard_name([s.slate_id for s in slates], suffix="")
+    ray.get(ledger.put_slates.remote(key, {k: (len(v), store.id_sum(v)) for k, v in by_split.items()}, _node()))
+    return store.slates_table(slates).append_column("split", pa.array(splits, pa.string()))
 
 
 def _parse_block(batch: pa.Table, source: str, where: str, ledger: Any) -> pa.Table:
@@ -103,17 +146,17 @@ def _assemble_block(block: pa.Table, data: dict[str, Any], ledger: Any) -> pa.Ta
     slates, bad = plane.assemble_slates(block.to_pylist(), cfg.top_n)
     if bad.total:
         _record(ledger, "slates/" + ",".join(sorted(bad.examples.values()))[:400], "slates", 0, bad)
-    return store.slates_table(slates).append_column("split", pa.array([split_of(s.slate_id, cfg) for s in slates], pa.string()))
+    return _with_split(slates, [split_of(s.slate_id, cfg) for s in slates], ledger)
 
 
-def _synthetic_task(batch: dict[str, Any], data: dict[str, Any]) -> pa.Table:
+def _synthetic_task(batch: dict[str, Any], data: dict[str, Any], ledger: Any) -> pa.Table:
     """One (split, shard) of the embedded generator -> its slate rows (shards = 1: the whole data set, one stream)."""
     cfg = from_dict(DataConfig, data).synthetic
     parts = []
     for split, shard in zip(batch["split"], batch["shard"]):
         slates = generate(cfg)[0] if cfg.shards == 1 else {split: generate_shard(cfg, split, int(shard))}
         for name, items in slates.items():
-            parts.append(store.slates_table(items).append_column("split", pa.array([name] * len(items), pa.string())))
+            parts.append(_with_split(items, [name] * len(items), ledger))
     return pa.concat_tables(parts) if parts else OUT_SCHEMA.empty_table()
 
 
@@ -133,7 +176,7 @@ def slates_dataset(cfg: PipelineConfig, ledger: Any) -> Any:
         tasks = [{"split": "all", "shard": 0}] if s.shards == 1 else [
             {"split": name, "shard": i} for name in SPLITS for i in range(s.shards)]
         return ray.data.from_items(tasks, override_num_blocks=len(tasks)).map_batches(
-            _synthetic_task, fn_kwargs={"data": data}, batch_size=1, batch_format="numpy")
+            _synthetic_task, fn_kwargs={"data": data, "ledger": ledger}, batch_size=1, batch_format="numpy")
     if cfg.data.source != "beir":
         raise ValueError(f"the Ray data stage reads data.source=beir or synthetic, not {cfg.data.source!r} "
                          "(a rank_llm / hLLM JSONL is one slate a line: pipelines/rerank.py streams those)")
@@ -152,7 +195,7 @@ def run(cfg: PipelineConfig) -> SlateShards:
     """Writes the slate shards (reused when the data config is unchanged) -> where they are and the stats."""
     import ray
 
-    key = fingerprint(cfg.data)
+    key = fingerprint(cfg.data, STAGE_VERSION)
     directory = Path(cfg.output_dir) / "slates" / key
     if stage_done(directory, key):
         log.info("data: reusing %s", directory)
@@ -170,11 +213,15 @@ def run(cfg: PipelineConfig) -> SlateShards:
     except plane.DataFormatError:
         shutil.rmtree(tmp, ignore_errors=True)  # no slates from data past its bad-input budget
         raise
-    slates = {name: _count_rows(tmp / f"split={name}") for name in SPLITS}
+    slates, id_sums = ray.get(ledger.slate_totals.remote())
+    written = {name: _count_rows(tmp / f"split={name}") for name in SPLITS}
+    if written != slates:  # a task retried after writing would show here
+        raise RuntimeError(f"data stage: slates written {written} differ from the slates made {slates}")
     if directory.exists():
         shutil.rmtree(directory)  # another run's leftovers: the same key, so the same slates
     tmp.rename(directory)
-    stats = {"slates": slates, "rows_read": rows, "bad": bad.counts, "bad_examples": bad.examples,
+    stats = {"slates": slates, "id_sums": id_sums, "rows_read": rows, "bad": bad.counts, "bad_examples": bad.examples,
+             "tasks_by_node": ray.get(ledger.tasks_by_node.remote()),
              "seconds": round(seconds, 2), "slates_per_s": round(sum(slates.values()) / max(seconds, 1e-9), 1),
              "driver_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     mark_done(directory, key, stats=stats)

@@ -1,5 +1,6 @@
-"""The whole job: data -> teacher -> Ray Data generation -> Ray Train distillation -> evaluation
--> Ray Serve deployment + HTTP smoke test -> summary and the MLflow run id.
+"""The whole job: the data stage (Ray Data -> slate shards) -> teacher -> Ray Data generation streamed
+from those shards -> Ray Train distillation -> evaluation -> Ray Serve deployment + HTTP smoke test
+-> summary and the MLflow run id. The driver builds no slate list: the data lives in the shards.
 
     ray job submit --working-dir . -- python pipelines/full.py [--config FILE] [--ablations GRID] [key=value ...]
     python pipelines/full.py                                   # the embedded default, local Ray
@@ -20,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
 from hllm.config import to_dict  # noqa: E402
-from hllm.data.splits import load_splits  # noqa: E402
+from hllm.data import store  # noqa: E402
 from hllm.recipes.stages import summary_lines  # noqa: E402
-from pipelines import distill  # noqa: E402
+from pipelines import data as data_stage, distill  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, parse_job, mlflow_run, tracking_uri  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.full")
@@ -37,7 +38,7 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
 
     start_serve({"host": "127.0.0.1", "port": cfg.cluster.serve_port})
     serve.run(app_builder({"model": str(student_dir.resolve()), "threads": 1}), name="hllm", route_prefix="/")
-    slate = load_splits(cfg.data)["test"][0]
+    (slate,) = store.head(data_stage.run(cfg).split_dir("test"), 1)  # the data stage's (reused): one slate read
     body = {"query": slate.query.text, "documents": [c.text for c in slate.candidates], "top_n": 5}
     t0 = time.perf_counter()
     response = requests.post(f"http://127.0.0.1:{cfg.cluster.serve_port}/v1/rerank", json=body, timeout=120)

@@ -3,18 +3,22 @@
     ray job submit --working-dir . -- python pipelines/teacher_gen.py [--config configs/default.yaml] [key=value ...]
     python pipelines/teacher_gen.py cluster.teacher_actors=2          # local Ray
 
-The library's teacher-rankings stage (`hllm.recipes.stages.teacher_rankings_stage`) decides what is still
-to rank, checks completeness and writes the stage's stats; this module only supplies how: each
-actor loads the teacher once and, per batch of slates, calls `hllm.recipes.stages.rank_and_write`, which
-writes one shard of the rankings store (`hllm.data.store`: typed Parquet, atomic). A restarted run
-skips the slates already written and ends with exactly one row per slate. Every split (train,
-val, test) is produced this way.
+The slates come from the data stage (`pipelines/data.py`): its Parquet shards are read by Ray Data and
+streamed through the actor pool; the driver holds none. The library's teacher-rankings stage
+(`hllm.recipes.stages.teacher_rankings_stage`) decides whether there is anything to rank and checks
+completeness from the store's footers (slate count and id sum equal the split's); this module only
+supplies how: each actor loads the teacher once and, per batch of slates, calls
+`hllm.recipes.stages.rank_and_write`, which writes one shard of the rankings store (`hllm.data.store`:
+typed Parquet, atomic, its summary in the footer). A restarted run skips the slates already written
+and ends with exactly one row per slate. Every split (train, val, test) is produced this way.
 """
 
 from __future__ import annotations
 
 import logging
+import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +28,11 @@ import pyarrow as pa  # noqa: E402
 
 from hllm.config import from_dict, to_dict  # noqa: E402
 from hllm.data import store  # noqa: E402
-from hllm.data.splits import SPLITS, load_splits  # noqa: E402
+from hllm.data.progress import Progress  # noqa: E402
+from hllm.data.splits import SPLITS  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
 from hllm.recipes.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
-from hllm.records import RerankRequest  # noqa: E402
+from pipelines import data as data_stage  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job,
                               wait_for_actors)  # noqa: E402
 
@@ -35,7 +40,9 @@ log = logging.getLogger("hllm.pipelines.teacher_gen")
 
 
 class TeacherActor:
-    """Loads the teacher once per actor; ranks a batch of slates and writes its shard."""
+    """Loads the teacher once per actor; ranks a batch of slates and writes its shard. The slates already
+    in the store (read from its shards when the actor starts) are skipped, so the driver never needs a
+    list of what is done; a retried batch writes the same shard name again (named by its slate ids)."""
 
     def __init__(self, job: dict[str, Any], teacher_model: dict[str, Any], out_dir: str, use_gpu: bool):
         import ray
@@ -47,28 +54,47 @@ class TeacherActor:
         torch.set_num_threads(cfg.threads or 1)
         self.teacher = load_teacher(from_dict(ModelConfig, teacher_model), cfg, "cuda" if use_gpu else "cpu")
         self.out_dir = Path(out_dir)
+        self.done = set(store.finished_ids(self.out_dir))
         self.node_id = ray.get_runtime_context().get_node_id()  # provenance of every row
 
-    def __call__(self, batch: pa.Table) -> dict[str, list]:
+    def __call__(self, batch: pa.Table) -> pa.Table:
         from hllm.recipes.stages import rank_and_write
 
-        slates = store.slates_from_rows(batch.to_pylist())
-        items = rank_and_write(self.teacher, slates, self.out_dir, node=self.node_id)
-        return {"slate_id": [i.slate.slate_id for i in items]}
+        t0 = time.perf_counter()
+        slates = [s for s in store.slates_from_rows(batch.select(["slate"]).to_pylist()) if s.slate_id not in self.done]
+        if slates:
+            rank_and_write(self.teacher, slates, self.out_dir, node=self.node_id)
+        return pa.table({"ranked": [len(slates)], "skipped": [batch.num_rows - len(slates)],
+                         "seconds": [time.perf_counter() - t0], "node": [self.node_id],
+                         "peak_mb": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]})
+
+
+def slates_dataset(source: store.SplitSlates, batch: int) -> Any:
+    """A split's slates as a Ray dataset of blocks of `batch` slates (a streaming repartition, no
+    shuffle: the actor pool gets a block, so a shard, per task): the data stage's shards read where they
+    lie, or a split held in this process (e.g. the flywheel's traffic)."""
+    import ray
+
+    if source.folder is not None:
+        ds = ray.data.read_parquet(str(source.folder), columns=["slate"])
+    else:
+        ds = ray.data.from_arrow(store.slates_table(source.slates))
+    return ds.repartition(target_num_rows_per_block=batch)
 
 
 def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
-    """A `RankSlates` that runs an actor pool of `cluster.teacher_actors` teachers (a GPU each where
-    the cluster has GPUs), `cluster.teacher_batch_slates` slates per batch and shard."""
-    def rank(slates: list[RerankRequest], directory: Path) -> None:
+    """A `RankSlates` that streams the split through an actor pool of `cluster.teacher_actors` teachers (a
+    GPU each where the cluster has GPUs), `cluster.teacher_batch_slates` slates per batch and shard. The
+    driver sees one small row per batch (slates ranked, seconds, the worker's node and peak memory) and
+    logs rows/s and the ETA; -> the workers' peak RSS and the batches per node."""
+    def rank(source: store.SplitSlates, directory: Path) -> dict[str, Any]:
         import ray
 
         init_ray(cfg.cluster)
         gpu = cluster_has_gpus(cfg.cluster)
         directory.mkdir(parents=True, exist_ok=True)
         batch = cfg.cluster.teacher_batch_slates
-        table = store.slates_table(slates)
-        ds = ray.data.from_arrow([table.slice(start, batch) for start in range(0, len(slates), batch)])  # a block per batch
+        ds = slates_dataset(source, batch)
         wait_for_actors(ds, cfg.cluster)
         ranked = ds.map_batches(
             TeacherActor,
@@ -79,22 +105,41 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
             num_gpus=1 if gpu else 0, num_cpus=cfg.cluster.teacher_cpus_per_actor,
             **({"scheduling_strategy": "SPREAD"} if cfg.cluster.spread else {}),
         )
-        ranked.materialize()  # run it; the rows are in the store, the stage reads them from there
+        progress = Progress(f"teacher rankings {source.split}", source.count - store.index(directory).slates, log)
+        peak, batches_by_node = 0.0, {}
+        for rows in ranked.iter_batches(batch_size=None, batch_format="pyarrow"):  # streams: a row per batch
+            for r in rows.to_pylist():
+                progress.update(r["ranked"])
+                peak = max(peak, r["peak_mb"])
+                batches_by_node[r["node"]] = batches_by_node.get(r["node"], 0) + 1
+        return {"worker_peak_mb": round(peak, 1), "batches_by_node": batches_by_node}
     return rank
+
+
+def split_sources(cfg: PipelineConfig) -> dict[str, store.SplitSlates]:
+    """The data stage (`pipelines/data.py`: Ray Data, reused when done) -> each split's slate shards."""
+    shards = data_stage.run(cfg)
+    return {name: store.SplitSlates(name, shards.stats["slates"][name], shards.stats["id_sums"][name],
+                                    folder=shards.split_dir(name)) for name in SPLITS}
 
 
 def run(cfg: PipelineConfig, parent_run_id: str | None = None, splits: tuple[str, ...] = SPLITS
         ) -> tuple[ModelConfig, dict[str, Rankings]]:
-    """Bootstrap (or load) the teacher, then its rankings of each split, as one MLflow run."""
+    """The data stage, the teacher bootstrapped (or loaded), then its rankings of each split streamed
+    from the slate shards, as one MLflow run. The driver holds no slate (a bootstrap reads the train
+    and val splits: it fine-tunes on them)."""
     from hllm.model.backbones import resolve_device
 
-    data = load_splits(cfg.data)
-    teacher_model = bootstrap_teacher_stage(cfg, data["train"], data["val"], resolve_device(cfg.device))
+    sources = split_sources(cfg)
+    held = (lambda name: sources[name].load()) if cfg.teacher.bootstrap else (lambda name: [])
+    teacher_model = bootstrap_teacher_stage(cfg, held("train"), held("val"), resolve_device(cfg.device))
     with mlflow_run(cfg, "teacher_generation", parent_run_id, teacher=str(teacher_model.path or teacher_model.preset)):
-        rankings = {name: teacher_rankings_stage(cfg, teacher_model, name, data[name], ray_ranker(cfg, teacher_model))
-                    for name in splits}
-        for name, r in rankings.items():
-            log_metrics({**r.stats, "actors": cfg.cluster.teacher_actors}, prefix=f"teacher_gen.{name}.")
+        rankings = {}
+        for name in splits:
+            rankings[name] = r = teacher_rankings_stage(cfg, teacher_model, name, sources[name], ray_ranker(cfg, teacher_model))
+            log_metrics({**r.stats, "actors": cfg.cluster.teacher_actors,
+                         "driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+                        prefix=f"teacher_gen.{name}.")
     return teacher_model, rankings
 
 

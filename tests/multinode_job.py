@@ -1,6 +1,7 @@
 """Helper for test_multinode.py, run in its own process: a head node and a worker node on this
-machine (separate raylets, separate resources), then teacher generation and distillation with
-`cluster.spread=true`. Prints, as JSON, the Ray nodes that ranked slates and that trained."""
+machine (separate raylets, separate resources), then the data stage, teacher generation and
+distillation with `cluster.spread=true`. Writes, as JSON, the Ray nodes that made slates, ranked
+them and trained."""
 
 import json
 import sys
@@ -10,7 +11,7 @@ from ray.cluster_utils import Cluster
 
 from hllm.config import load_config
 from hllm.recipes.job import student_ranker_config
-from pipelines import distill, teacher_gen
+from pipelines import data, distill, teacher_gen
 from pipelines.common import PipelineConfig
 
 
@@ -28,7 +29,8 @@ def main(out: str, overrides: list[str]) -> None:
             train_nodes = sorted({p.read_text() for p in Path(d).glob("node.rank*")})
         import ray
         result_doc = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-                      "teacher_nodes": sorted({i.ranking.node for i in rankings["train"].items}),
+                      "data_nodes": sorted(data.run(cfg).stats["tasks_by_node"]["slates"]),  # reused: its record
+                      "teacher_nodes": sorted(rankings["train"].stats["nodes"]),  # from the store's footers
                       "train_nodes": train_nodes, "steps": result.metrics["step"]}
         # To a file, not stdout: Ray workers' log lines reach this process's stdout in any order.
         (Path(out) / "result.json").write_text(json.dumps(result_doc))

@@ -1,4 +1,4 @@
-"""A two-node Ray cluster on one machine: teacher actors and training workers land on both nodes."""
+"""A two-node Ray cluster on one machine: data tasks, teacher actors and training workers land on both nodes."""
 
 import json
 import os
@@ -18,13 +18,14 @@ def test_teacher_actors_and_train_workers_use_both_nodes(tmp_path):
     overrides = [o for o in JOB if not o.startswith(("cluster.", "eval."))] + [
         "cluster.teacher_actors=2", "cluster.teacher_cpus_per_actor=1", "cluster.teacher_batch_slates=4",
         "cluster.train_workers=2", "cluster.train_cpus_per_worker=1", "student.train.steps=2",
-        "distill.checkpoint_every=2"]
+        "distill.checkpoint_every=2", "data.synthetic.shards=3"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode_job.py"), str(tmp_path), *overrides],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads((tmp_path / "result.json").read_text())
     assert len(out["nodes"]) == 2
+    assert out["data_nodes"] == out["nodes"], "the data stage's tasks did not spread over both nodes"
     assert out["teacher_nodes"] == out["nodes"], "teacher actors did not spread over both nodes"
     assert out["train_nodes"] == out["nodes"], "training workers did not spread over both nodes"
     assert out["steps"] == 2

@@ -44,17 +44,23 @@ def test_the_rankings_stage_resumes_where_it_stopped(small_splits, tmp_path):
     slates = small_splits["train"][:10]
     calls: list[list[str]] = []
 
-    def dies_after_one_shard(pending, directory: Path):
-        calls.append([s.slate_id for s in pending])
-        store.write_shard(ranked(pending[:4]), directory)
+    def pending(source, directory):  # what a ranker does: skip what the store holds
+        done = set(store.finished_ids(directory))
+        return [s for b in source.batches(3) for s in b if s.slate_id not in done]
+
+    def dies_after_one_shard(source, directory: Path):
+        todo = pending(source, directory)
+        calls.append([s.slate_id for s in todo])
+        store.write_shard(ranked(todo[:4]), directory)
         raise RuntimeError("worker lost")
 
     with pytest.raises(RuntimeError, match="worker lost"):
         teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, dies_after_one_shard)
 
-    def ranks_all(pending, directory: Path):
-        calls.append([s.slate_id for s in pending])
-        store.write_shard(ranked(pending), directory)
+    def ranks_all(source, directory: Path):
+        todo = pending(source, directory)
+        calls.append([s.slate_id for s in todo])
+        store.write_shard(ranked(todo), directory)
 
     out = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, ranks_all)
     assert calls[1] == [s.slate_id for s in slates[4:]]  # only what was missing
@@ -64,11 +70,54 @@ def test_the_rankings_stage_resumes_where_it_stopped(small_splits, tmp_path):
     assert len(calls) == 2 and again.stats["generated_now"] == 0  # complete: nothing ranked again
 
 
+def test_the_split_is_checked_against_the_store_footers_alone(small_splits, tmp_path):
+    from hllm.recipes.stages import ranking_summary
+
+    cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}"])
+    slates = small_splits["train"][:6]
+    source = store.SplitSlates.held("train", slates)
+    folder = tmp_path / "slates"  # the same split as shards on disk, as the data stage leaves it
+    folder.mkdir()
+    pq.write_table(store.slates_table(slates[:4]), folder / "a.parquet")
+    pq.write_table(store.slates_table(slates[4:]), folder / "b.parquet")
+    on_disk = store.SplitSlates("train", 6, source.id_sum, folder=folder)
+    assert [s for b in on_disk.batches(3) for s in b] == slates and store.head(folder, 2) == slates[:2]
+    out = teacher_rankings_stage(cfg, cfg.teacher.model, "train", on_disk, 
+                                 lambda src, d: {"wrote": store.write_shard(ranked(src.load()), d, ranking_summary(ranked(src.load()))).name})
+    assert out.stats["wrote"].startswith("part-")  # what the ranker returns is kept with the stats
+    assert out.stats["slates"] == 6 and out.stats["counts"]["ok"] == 6 and out.stats["rankings"] == 6
+    assert sorted(i.slate.slate_id for i in out.items) == sorted(s.slate_id for s in slates)  # read when asked, by id
+    ix = store.index(out.directory)  # from the footer alone
+    assert (ix.slates, ix.id_sum) == (6, source.id_sum) and ix.summary["output_tokens"] == 6 * 12
+    # one slate written twice and another missing: the count agrees, the id sum does not
+    store.write_shard(ranked([slates[0]]), tmp_path / "twice")
+    store.write_shard(ranked([slates[0], slates[1]]), tmp_path / "twice")
+    assert store.index(tmp_path / "twice").slates == 3
+    swapped = store.SplitSlates("train", 3, store.id_sum(s.slate_id for s in slates[:3]), slates[:3])
+    cfg2 = load_config(JobConfig, None, [f"output_dir={tmp_path / 'b'}"])
+    with pytest.raises(RuntimeError, match="rows of other slates"):
+        teacher_rankings_stage(cfg2, cfg2.teacher.model, "train", swapped,
+                               lambda src, d: [store.write_shard(ranked([slates[0]]), d),
+                                               store.write_shard(ranked([slates[0], slates[1]]), d)])
+
+
+def test_a_footer_summary_adds_up_and_old_shards_are_summarised_from_their_rows(small_splits, tmp_path):
+    from hllm.recipes.stages import ranking_summary
+
+    items = ranked(small_splits["train"][:5])
+    store.write_shard(items[:2], tmp_path, ranking_summary(items[:2]))
+    pq.write_table(store.to_table(items[2:]), tmp_path / store.shard_name([i.slate.slate_id for i in items[2:]]))  # no footer
+    ix = store.index(tmp_path, ranking_summary)
+    whole = {**ranking_summary(items), **store.base_summary(items)}
+    tau = ix.summary.pop("tau_to_input_sum")
+    assert tau == pytest.approx(whole.pop("tau_to_input_sum")) and ix.shards == 2 and ix.summary == whole
+
+
 def test_a_split_with_a_missing_slate_is_an_error(small_splits, tmp_path):
     cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}"])
     with pytest.raises(RuntimeError, match="1 slates missing"):
         teacher_rankings_stage(cfg, cfg.teacher.model, "train", small_splits["train"][:3],
-                               lambda pending, d: store.write_shard(ranked(pending[:2]), d))
+                               lambda source, d: store.write_shard(ranked(source.slates[:2]), d))
 
 
 def copies_input(slates, directory: Path, copied: int):
@@ -82,7 +131,7 @@ def copies_input(slates, directory: Path, copied: int):
 def test_a_teacher_that_copies_its_input_is_stopped_before_distillation(small_splits, tmp_path):
     cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}"])
     slates = small_splits["train"][:10]
-    train = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, lambda p, d: copies_input(p, d, 8))
+    train = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, lambda src, d: copies_input(src.slates, d, 8))
     assert train.stats["same_as_input"] == pytest.approx(0.8)
     assert train.stats["tau_to_input"] == pytest.approx(0.8 * 1.0 + 0.2 * -1.0)
     fitted = []
@@ -99,8 +148,8 @@ def test_the_tau_threshold_catches_a_teacher_that_only_nudges_the_input(small_sp
     cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}", "student.max_teacher_tau_to_input=0.5"])
     slates = small_splits["train"][:4]
 
-    def swaps_last_two(pending, directory):
-        items = ranked(pending)
+    def swaps_last_two(source, directory):
+        items = ranked(source.slates)
         for i in items:
             n = len(i.slate.candidates)
             i.ranking.permutation = list(range(n - 2)) + [n - 1, n - 2]

@@ -7,7 +7,13 @@ column holds JSON.
 
 A split's rankings live in one directory of shards `part-<hash of its slate ids>.parquet`. Each
 shard is written atomically (temp file + rename), so a reader never sees half a shard and a
-restarted generation skips the slates already written.
+restarted generation skips the slates already written. A shard's footer carries its summary (an
+additive dict: slates, the ids' multiset sum, parse counts, token totals, ...), so `index` totals a
+store from the footers alone, and a split is known complete — exactly one row per slate — when its
+count and id sum equal the split's (`SplitSlates`), without a list of ids anywhere.
+
+`SplitSlates` is the work to hand out: a split's slates held in this process (small data) or the
+data stage's slate shards on disk (any size), read a batch at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import hashlib
 import os
 import types
 import typing
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -94,15 +102,82 @@ def shard_name(slate_ids: Sequence[str], suffix: str = ".parquet") -> str:
     return "part-" + hashlib.sha256("\n".join(sorted(slate_ids)).encode()).hexdigest()[:20] + suffix
 
 
-def write_shard(items: Sequence[RankedSlate], directory: str | Path) -> Path:
-    """Writes one shard atomically; -> its path. The name depends only on the slate ids."""
+ID_SUM_MOD = 2**64
+SUMMARY_KEY = b"hllm.summary"
+SUMMARIZED_KEY = b"hllm.summarized"  # "1": the footer holds the writer's summary too, not the count and id sum alone
+Summary = dict[str, Any]  # additive: numbers and nested dicts of numbers; `merge` sums them key by key
+Summarize = Callable[[Sequence[RankedSlate]], Summary]
+
+
+def id_sum(ids: Iterable[str]) -> int:
+    """A multiset digest of slate ids: the sum of their hashes mod 2^64. Order-free and additive across
+    shards, so the store's total equals the split's exactly when each slate has one row (a missing row
+    and a repeated one change it unless 64-bit hashes collide)."""
+    return sum(int.from_bytes(hashlib.sha256(i.encode()).digest()[:8], "big") for i in ids) % ID_SUM_MOD
+
+
+def merge(a: Summary, b: Summary) -> Summary:
+    """Adds two summaries key by key (id sums mod 2^64)."""
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict):
+            out[k] = merge(out.get(k, {}), v)
+        elif k == "id_sum":
+            out[k] = (out.get(k, 0) + v) % ID_SUM_MOD
+        else:
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def base_summary(items: Sequence[RankedSlate]) -> Summary:
+    return {"slates": len(items), "id_sum": id_sum(i.slate.slate_id for i in items)}
+
+
+def write_shard(items: Sequence[RankedSlate], directory: str | Path, summary: Summary | None = None) -> Path:
+    """Writes one shard atomically; -> its path. The name depends only on the slate ids; the footer
+    holds `summary` (what the caller adds: parse counts, tokens, ...) with the slate count and id sum."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / shard_name([i.slate.slate_id for i in items])
     tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-    pq.write_table(to_table(items), tmp)
+    table = to_table(items)
+    table = table.replace_schema_metadata({SUMMARY_KEY: json.dumps({**(summary or {}), **base_summary(items)}),
+                                           SUMMARIZED_KEY: b"1" if summary else b"0"})
+    pq.write_table(table, tmp)
     os.replace(tmp, path)
     return path
+
+
+@dataclass
+class StoreIndex:
+    """A store folder's totals, from its shards' footers."""
+
+    shards: int
+    summary: Summary  # merged over the shards; "slates" and "id_sum" always present
+
+    @property
+    def slates(self) -> int:
+        return self.summary["slates"]
+
+    @property
+    def id_sum(self) -> int:
+        return self.summary["id_sum"]
+
+
+def index(directory: str | Path, summarize: Summarize = base_summary) -> StoreIndex:
+    """Totals a store from its footers; a shard whose footer lacks `summarize`'s figures (written
+    without them, or before footers) is read and summarised."""
+    total: Summary = {"slates": 0, "id_sum": 0}
+    paths = shards(directory) if Path(directory).is_dir() else []
+    for path in paths:
+        meta = pq.read_schema(path).metadata or {}
+        if SUMMARY_KEY in meta and (summarize is base_summary or meta.get(SUMMARIZED_KEY) == b"1"):
+            part = json.loads(meta[SUMMARY_KEY])
+        else:
+            items = from_rows(pq.read_table(path, schema=SCHEMA).to_pylist())
+            part = {**summarize(items), **base_summary(items)}
+        total = merge(total, part)
+    return StoreIndex(len(paths), total)
 
 
 def shards(directory: str | Path) -> list[Path]:
@@ -117,9 +192,58 @@ def finished_ids(directory: str | Path) -> list[str]:
     return ids
 
 
+def arrow_bytes(directory: str | Path) -> int:
+    """The store's size once decoded (Parquet's uncompressed sizes, from the footers)."""
+    return sum(pq.ParquetFile(p).metadata.row_group(g).total_byte_size
+               for p in shards(directory) for g in range(pq.ParquetFile(p).metadata.num_row_groups))
+
+
 def read_rankings(directory: str | Path) -> list[RankedSlate]:
     """Every row of a directory's shards, sorted by slate id."""
     items: list[RankedSlate] = []
     for path in shards(directory):
         items += from_rows(pq.read_table(path, schema=SCHEMA).to_pylist())
     return sorted(items, key=lambda i: i.slate.slate_id)
+
+
+def head(folder: str | Path, n: int = 1) -> list[RerankRequest]:
+    """The first `n` slates of a folder of Parquet files with a `slate` column (slate shards or a
+    rankings store), reading no more than it needs."""
+    out: list[RerankRequest] = []
+    for path in sorted(Path(folder).glob("*.parquet")):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=n, columns=["slate"]):
+            out += slates_from_rows(batch.to_pylist())[: n - len(out)]
+            if len(out) >= n:
+                return out
+    return out
+
+
+@dataclass
+class SplitSlates:
+    """A split's slates as work to hand out: held in this process (`slates`) or the data stage's slate
+    shards (`folder`, Parquet with a `slate` column), with their count and id sum, so a stage can check
+    its output against them without a list of ids."""
+
+    split: str
+    count: int
+    id_sum: int
+    slates: list[RerankRequest] | None = None
+    folder: Path | None = None
+
+    @classmethod
+    def held(cls, split: str, slates: Sequence[RerankRequest]) -> "SplitSlates":
+        return cls(split, len(slates), id_sum(s.slate_id for s in slates), list(slates))
+
+    def batches(self, size: int) -> Iterator[list[RerankRequest]]:
+        """The slates in order, `size` at a time (from disk a batch at a time when in shards)."""
+        if self.slates is not None:
+            for start in range(0, len(self.slates), size):
+                yield self.slates[start: start + size]
+            return
+        for path in sorted(Path(self.folder).glob("*.parquet")):
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=size, columns=["slate"]):
+                yield slates_from_rows(batch.to_pylist())
+
+    def load(self) -> list[RerankRequest]:
+        """All of them in this process: for stages that need the split whole and small (a bootstrap)."""
+        return self.slates if self.slates is not None else [s for b in self.batches(1024) for s in b]

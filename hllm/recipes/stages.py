@@ -11,6 +11,7 @@ store (`hllm.data.store`), so an interrupted generation resumes where it stopped
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -26,7 +27,8 @@ import torch
 from hllm.data import store
 from hllm.data.cache import fingerprint, mark_done, stage_done, stage_info
 from hllm.eval.evaluation import StudentEval, decoder_report, evaluate_teacher, first_stage_order, latency_profile, quality
-from hllm.eval.metrics import input_order_agreement
+from hllm.data.progress import Progress
+from hllm.eval.metrics import kendall_tau
 from hllm.model.calibration import Calibrator, calibration_report, fit_calibrator
 from hllm.recipes.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.model.backbones import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
@@ -135,34 +137,68 @@ def generation_key(cfg: JobConfig, teacher_model: ModelConfig) -> str:
 
 
 # ---- teacher rankings ----------------------------------------------------------------------------
-RankSlates = Callable[[list[RerankRequest], Path], None]
-"""Ranks slates with the teacher and writes them to the store folder (shards, atomically)."""
+RankSlates = Callable[[store.SplitSlates, Path], "dict[str, Any] | None"]
+"""Ranks the split's slates not yet in the store folder with the teacher and writes them there (shards,
+atomically); -> figures of the run worth keeping (e.g. the workers' peak memory), or None."""
+
+
+def ranking_summary(items: Sequence[RankedSlate]) -> store.Summary:
+    """A shard's additive summary for the store's footer: parse counts, tokens, latency, input-order
+    agreement (sums, so any set of shards totals exactly), provenance."""
+    given = [list(map(int, i.ranking.permutation)) for i in items if i.ranking.permutation is not None]
+    counts = ParseCounts()
+    for i in items:
+        counts.add(i.ranking.counts)
+    nodes: dict[str, int] = {}
+    for i in items:
+        nodes[i.ranking.node or "local"] = nodes.get(i.ranking.node or "local", 0) + 1
+    return {"counts": dataclasses.asdict(counts), "ranked": len(given),
+            "same_as_input": sum(p == list(range(len(p))) for p in given),
+            "tau_to_input_sum": sum(kendall_tau(p, range(len(p))) for p in given),
+            "prompt_tokens": sum(i.ranking.prompt_tokens for i in items),
+            "output_tokens": sum(i.ranking.output_tokens for i in items),
+            "latency_s": sum(i.ranking.latency_s for i in items), "nodes": nodes}
 
 
 def rank_and_write(teacher: ARTeacher, slates: list[RerankRequest], directory: Path, node: str = "") -> list[RankedSlate]:
-    """One shard: the teacher ranks `slates`, the rows go to `directory` atomically."""
+    """One shard: the teacher ranks `slates`, the rows go to `directory` atomically, its summary in the footer."""
     items = [RankedSlate(s, dataclasses.replace(r, node=node)) for s, r in zip(slates, teacher.rank(slates))]
-    store.write_shard(items, directory)
+    store.write_shard(items, directory, ranking_summary(items))
     return items
 
 
 def rank_in_process(teacher: ARTeacher, shard_slates: int = 64) -> RankSlates:
-    """The local `RankSlates`: this process's teacher, one shard per `shard_slates` slates."""
-    def rank(slates: list[RerankRequest], directory: Path) -> None:
-        for start in range(0, len(slates), shard_slates):
-            rank_and_write(teacher, slates[start: start + shard_slates], directory)
+    """The local `RankSlates`: this process's teacher, a shard per `shard_slates` slates still to rank."""
+    def rank(source: store.SplitSlates, directory: Path) -> None:
+        done = set(store.finished_ids(directory))
+        progress = Progress(f"teacher rankings {source.split}", source.count - len(done), log)
+        for batch in source.batches(shard_slates):
+            pending = [s for s in batch if s.slate_id not in done]
+            if pending:
+                rank_and_write(teacher, pending, directory)
+                progress.update(len(pending))
     return rank
 
 
 @dataclass
 class Rankings:
-    """A split's teacher rankings, complete: one per slate, in the split's order."""
+    """A split's teacher rankings, complete: one per slate. The figures come from the store's footers;
+    the rows are read only when asked for (`items`: in the split's order where the split was held in
+    this process, else by slate id)."""
 
     split: str
     directory: Path
     key: str  # the generation fingerprint
-    items: list[RankedSlate]
-    stats: dict[str, Any]  # this run's generation: slates ranked now, throughput, parse counts
+    stats: dict[str, Any]  # totals over the split, and this run's generation: slates ranked now, throughput
+    order: list[str] | None = None  # slate ids in the split's order, where known
+
+    @functools.cached_property
+    def items(self) -> list[RankedSlate]:
+        rows = store.read_rankings(self.directory)
+        if self.order is None:
+            return rows
+        by_id = {i.slate.slate_id: i for i in rows}
+        return [by_id[i] for i in self.order]
 
     @property
     def slates(self) -> list[RerankRequest]:
@@ -174,45 +210,54 @@ class Rankings:
 
     @property
     def counts(self) -> ParseCounts:
-        total = ParseCounts()
-        for i in self.items:
-            total.add(i.ranking.counts)
-        return total
+        return ParseCounts(**self.stats["counts"])
 
 
-def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: str, slates: list[RerankRequest],
-                           rank: RankSlates) -> Rankings:
+def totals(summary: store.Summary) -> dict[str, Any]:
+    """A store's summary -> the split's figures: parse counts and validity, agreement with the input order."""
+    counts = ParseCounts(**summary.get("counts", {}))
+    ranked = summary.get("ranked", 0)
+    return {"slates": summary["slates"], "counts": dataclasses.asdict(counts), "validity": counts.validity,
+            "same_as_input": summary["same_as_input"] / ranked if ranked else float("nan"),
+            "tau_to_input": summary["tau_to_input_sum"] / ranked if ranked else float("nan"), "rankings": ranked,
+            "nodes": summary.get("nodes", {})}
+
+
+def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: str,
+                           slates: Sequence[RerankRequest] | store.SplitSlates, rank: RankSlates) -> Rankings:
     """The teacher's rankings of one split: reused when complete, otherwise the slates not yet in
-    the store are ranked by `rank` (resuming an interrupted run). Checks one row per slate."""
+    the store are ranked by `rank` (resuming an interrupted run). `slates`: held in this process, or
+    the data stage's shards. Complete means exactly one row per slate: the store's footers give its
+    count and id sum, which must equal the split's."""
+    source = slates if isinstance(slates, store.SplitSlates) else store.SplitSlates.held(split, slates)
     key = generation_key(cfg, teacher_model)
     directory = Path(cfg.output_dir) / "rankings" / f"{split}-{key}"
-    done = set(store.finished_ids(directory)) if directory.exists() else set()
-    pending = [s for s in slates if s.slate_id not in done]
-    t0 = time.perf_counter()
-    if pending:
-        log.info("teacher rankings %s: %d slates, %d already done, %d to go", split, len(slates), len(done & {s.slate_id for s in slates}), len(pending))
-        rank(pending, directory)
+    before = store.index(directory, ranking_summary)
+    complete = lambda ix: ix.slates == source.count and ix.id_sum == source.id_sum  # noqa: E731
+    t0, extra = time.perf_counter(), None
+    if not complete(before):
+        log.info("teacher rankings %s: %d slates, %d already in the store, %d to go", split, source.count,
+                 before.slates, source.count - before.slates)
+        extra = rank(source, directory)
     elapsed = time.perf_counter() - t0
-    written = store.read_rankings(directory) if slates else []
-    by_id = {i.slate.slate_id: i for i in written}
-    missing, repeated = {s.slate_id for s in slates} - set(by_id), len(written) - len(by_id)
-    if missing or repeated:
-        raise RuntimeError(f"teacher rankings {split} incomplete: {len(missing)} slates missing, {repeated} "
-                           f"written twice in {directory}")
-    rankings = Rankings(split, directory, key, [by_id[s.slate_id] for s in slates], {})
-    fresh = [by_id[s.slate_id].ranking for s in pending]
-    counts = rankings.counts
-    rankings.stats = {"slates": len(slates), "generated_now": len(fresh), "resumed_from": len(slates) - len(fresh),
-                      "seconds": elapsed, "counts": dataclasses.asdict(counts), "validity": counts.validity,
-                      "slates_per_s": len(fresh) / elapsed if fresh else 0.0,
-                      "output_tokens_per_s": sum(r.output_tokens for r in fresh) / elapsed if fresh else 0.0,
-                      "prompt_tokens_per_s": sum(r.prompt_tokens for r in fresh) / elapsed if fresh else 0.0,
-                      **input_order_agreement(rankings.permutations)}
-    if fresh or not stage_done(directory, key):
+    after = store.index(directory, ranking_summary)
+    if not complete(after):
+        raise RuntimeError(
+            f"teacher rankings {split} incomplete: {after.slates} rows in {directory} for {source.count} slates "
+            + (f"({source.count - after.slates} slates missing)" if after.slates < source.count else
+               "(slates written twice)" if after.slates > source.count else "(rows of other slates)"))
+    fresh = {k: after.summary.get(k, 0) - before.summary.get(k, 0) for k in ("output_tokens", "prompt_tokens")}
+    generated = after.slates - before.slates
+    stats = {**totals(after.summary), "generated_now": generated, "resumed_from": before.slates, "seconds": elapsed,
+             "slates_per_s": generated / elapsed if generated else 0.0,
+             "output_tokens_per_s": fresh["output_tokens"] / elapsed if generated else 0.0,
+             "prompt_tokens_per_s": fresh["prompt_tokens"] / elapsed if generated else 0.0, **(extra or {})}
+    rankings = Rankings(split, directory, key, stats, [s.slate_id for s in source.slates] if source.slates is not None else None)
+    if generated or not stage_done(directory, key):
         log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s, same as input order %.3f, "
-                 "Kendall tau to input order %.3f", split, len(slates), len(fresh), elapsed, counts,
-                 rankings.stats["same_as_input"], rankings.stats["tau_to_input"])
-        mark_done(directory, key, **rankings.stats)
+                 "Kendall tau to input order %.3f", split, source.count, generated, elapsed, rankings.counts,
+                 stats["same_as_input"], stats["tau_to_input"])
+        mark_done(directory, key, **stats)
     return rankings
 
 
@@ -259,7 +304,7 @@ class DegenerateTeacher(RuntimeError):
 
 def check_teacher(train: Rankings, student: StudentStageConfig, bootstrapped: bool = False) -> None:
     """Refuses to distil a teacher whose train rankings fail the student stage's thresholds."""
-    validity, copy = train.counts.validity, input_order_agreement(train.permutations)
+    validity, copy = train.counts.validity, train.stats
     problems = []
     if validity < student.min_teacher_validity:
         problems.append(f"validity {validity:.3f} < student.min_teacher_validity {student.min_teacher_validity}")
@@ -320,7 +365,7 @@ def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dic
                        else f"{m.preset}{' ' + m.path if m.path else ''}"),
         "teacher": teacher,
         "training_data": {"source": data.source, "path": data.path, "top_n": data.top_n,
-                          "train_slates": len(train.items), "queries": len({s.slate_id for s in train.slates})},
+                          "train_slates": train.stats["slates"]},
         "vocabulary": ("synthetic word-level (the embedded catalogue's words only)" if t.model.preset in ("tiny", "embedded")
                        else "the base model's"),
         "positions": rcfg.head.positions,
