@@ -1,7 +1,8 @@
-"""The data stage at scale: an MS MARCO-shaped collection on disk, streamed into slates at 10^3 .. 10^5 queries.
+"""Scale: the data stage on an MS MARCO-shaped collection on disk at 10^3 .. 10^5 queries, then teacher
+generation and one distillation epoch per slate at 10^3 and 10^4 (embedded teacher and student).
 
-    python benchmarks/scale.py                               # 1e3, 1e4, 1e5 slates of N = 20 -> reports/scale.md + .png
-    python benchmarks/scale.py --sizes 1000 10000 --work /tmp/hllm-scale
+    python benchmarks/scale.py                               # all of it -> reports/scale.md + .png
+    python benchmarks/scale.py --sizes 1000 10000 --teacher-sizes 1000 --no-distill --work /tmp/hllm-scale
 
 Each size writes a BEIR collection under `--work` (queries with a top-100 run, passages of real length
 — ~350 characters —, one to three graded judgments a query, a corpus of 20 passages per query), then
@@ -79,15 +80,51 @@ def measure(root: Path, out: Path, cpus: int) -> dict:
     return {**stats, "process_s": round(wall, 1), "object_store_peak_mb": round(peak[0] / 2**20, 1)}
 
 
+def embedded_job(n: int, out: Path, cpus: int) -> list[str]:
+    """The embedded default's job with `n` train slates (drawn as one parallel shard per 1,000)."""
+    return [f"output_dir={out}", f"data.synthetic.train_slates={n}", "data.synthetic.val_slates=50",
+            "data.synthetic.test_slates=50", f"data.synthetic.shards={max(1, n // 1000)}", f"cluster.local_cpus={cpus}"]
+
+
 def measure_teacher(n: int, out: Path, cpus: int) -> dict:
-    """The embedded default's data (`n` train slates, drawn as parallel shards) and its shipped teacher:
-    the data stage, then teacher generation streamed from its shards (2 actors), in a fresh driver."""
-    subprocess.run([sys.executable, str(ROOT / "pipelines" / "teacher_gen.py"), f"output_dir={out}",
-                    f"data.synthetic.train_slates={n}", "data.synthetic.val_slates=50", "data.synthetic.test_slates=50",
-                    f"data.synthetic.shards={max(1, n // 1000)}", f"cluster.local_cpus={cpus}"],
+    """The data stage, then teacher generation streamed from its shards (the shipped embedded teacher,
+    2 actors), in a fresh driver; -> the train split's generation stats."""
+    subprocess.run([sys.executable, str(ROOT / "pipelines" / "teacher_gen.py"), *embedded_job(n, out, cpus)],
                    cwd=ROOT, check=True, capture_output=True, text=True)
     (stage,) = (out / "rankings").glob("train-*/stage.json")
     return json.loads(stage.read_text())
+
+
+def measure_distill(n: int, out: Path, cpus: int, batch: int = 16, workers: int = 2) -> dict:
+    """One epoch of distillation on those `n` rankings (`pipelines/distill.py`: Ray Train + DeepSpeed,
+    `workers` workers of `batch` slates a step each, a checkpoint every 50 steps, the rankings streamed
+    from the store as at scale: `distill.materialize_mb=0`), in a fresh driver;
+    -> the fit's seconds, ms a slate, the rank-0 worker's peak RSS, how the rankings reached the workers."""
+    steps = -(-n // (batch * workers))
+    done = subprocess.run([sys.executable, str(ROOT / "pipelines" / "distill.py"), *embedded_job(n, out, cpus),
+                           f"student.train.steps={steps}", f"student.train.batch_size={batch}",
+                           f"cluster.train_workers={workers}", "distill.materialize_mb=0"], cwd=ROOT, check=True, capture_output=True, text=True)
+    stage = json.loads((out / "student" / "stage.json").read_text())
+    streamed = "streamed every epoch" in done.stdout + done.stderr
+    return {"steps": stage["steps"], "seconds": stage["seconds"],
+            "ms_per_slate": 1000 * stage["seconds"] / (steps * batch * workers), "worker_peak_mb": stage["worker_peak_mb"],
+            "rankings": "streamed" if streamed else "materialised"}
+
+
+def ratio_lines(rows: list[dict], teacher: list[dict]) -> list[str]:
+    """The largest size over the smallest, for each figure with a target."""
+    out = []
+    if len(rows) > 1:
+        a, b = rows[0], rows[-1]
+        out += [f"- driver peak RSS {b['size']:,} / {a['size']:,}: {b['driver_peak_mb'] / a['driver_peak_mb']:.2f} (<= 1.25)",
+                f"- data slates/s {b['size']:,} / {a['size']:,}: {b['slates_per_s'] / a['slates_per_s']:.2f} (>= 0.8)"]
+    if len(teacher) > 1:
+        a, b = teacher[0], teacher[-1]
+        out.append(f"- teacher slates/s {b['size']:,} / {a['size']:,}: {b['slates_per_s'] / a['slates_per_s']:.2f} (>= 0.9)")
+        if a["distill"] and b["distill"]:
+            out.append(f"- distill ms a slate {b['size']:,} / {a['size']:,}: "
+                       f"{b['distill']['ms_per_slate'] / a['distill']['ms_per_slate']:.2f} (flat is the goal)")
+    return out
 
 
 def main() -> None:
@@ -97,14 +134,17 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=4, help="logical CPUs of the local Ray")
     parser.add_argument("--teacher-sizes", type=int, nargs="*", default=[1000, 10000],
                         help="train slates for the teacher-generation lines (embedded teacher and data)")
+    parser.add_argument("--no-distill", dest="distill", action="store_false",
+                        help="skip the one-epoch distillation after each teacher size")
     args = parser.parse_args()
     teacher = []
     for n in args.teacher_sizes:
         out = Path(args.work) / f"teacher-{n}"
         shutil.rmtree(out, ignore_errors=True)
         t = measure_teacher(n, out, args.cpus)
+        d = measure_distill(n, out, args.cpus) if args.distill else None
         teacher.append({"size": n, **{k: t[k] for k in ("slates", "seconds", "slates_per_s", "output_tokens_per_s",
-                                                           "worker_peak_mb")}})
+                                                           "worker_peak_mb")}, "distill": d})
         print(json.dumps(teacher[-1]), flush=True)
         shutil.rmtree(out)
     rows = []
@@ -135,7 +175,19 @@ def main() -> None:
         lines += [f"| {t['size']:,} | {t['seconds']:.1f} | {t['slates_per_s']:.1f} | {t['output_tokens_per_s']:,.0f} | "
                   f"{t['worker_peak_mb']:,.0f} MB |" for t in teacher]
         lines += [""] + [f"teacher slates/s at 1e{len(str(t['size'])) - 1}: {t['slates_per_s']:.1f}" for t in teacher]
-    write_report("scale", "The data stage at scale", "\n".join(lines))
+        distilled = [t for t in teacher if t["distill"]]
+        if distilled:
+            lines += ["", "One epoch of distillation on those rankings (`pipelines/distill.py`: Ray Train + DeepSpeed ZeRO-2, "
+                      "2 CPU workers of 16 slates a step, a checkpoint every 50 steps; the fit's own seconds):", "",
+                      "| train slates | steps | seconds | ms a slate | rank-0 worker peak RSS | train rankings |",
+                      "| ---: | ---: | ---: | ---: | ---: | --- |"]
+            lines += [f"| {t['size']:,} | {t['distill']['steps']} | {t['distill']['seconds']:.1f} | "
+                      f"{t['distill']['ms_per_slate']:.1f} | {t['distill']['worker_peak_mb']:,.0f} MB | "
+                      f"{t['distill']['rankings']} |" for t in distilled]
+            lines += [""] + [f"distill ms per slate at 1e{len(str(t['size'])) - 1}: {t['distill']['ms_per_slate']:.1f}"
+                             for t in distilled]
+    lines += ["", "Ratios of this run (the issue's targets in brackets):"] + ratio_lines(rows, teacher)
+    write_report("scale", "Scale: data stage, teacher generation, distillation", "\n".join(lines))
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -10,7 +10,8 @@ bf16 + NCCL on CUDA), reads its shard of the rankings store through `ray.train.g
 and runs the library's one training loop (`hllm.train.loop.train_loop`) with the engine's
 backward/step passed in. Every `checkpoint_every` steps all ranks save a DeepSpeed checkpoint and
 report it; a failed worker group restarts from the latest one (`FailureConfig`). Only world rank
-0 logs to MLflow. The driver then evaluates the student against the teacher on the test split.
+0 logs to MLflow. The student is then evaluated against the teacher on the test split, streamed
+through an actor pool (`pipelines/evaluate.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -135,7 +137,8 @@ def train_func(config: dict[str, Any]) -> None:
         held_out, _ = student_examples(ranker.prompts, store.read_rankings(config["val_dir"]), cfg.student.loss)
 
     def on_step(row: dict, last: bool) -> None:
-        metrics = {**row, "resumed_from_step": resumed_from}
+        metrics = {**row, "resumed_from_step": resumed_from,
+                   "worker_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         if mlflow is not None:
             mlflow.log_metrics({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))},
                                step=row["step"])
@@ -232,7 +235,9 @@ def ray_fit(cfg: PipelineConfig, mlflow_run_id: str | None) -> Fit:
             shutil.copytree(Path(directory) / "student", out, dirs_exist_ok=True)
         m = result.metrics
         return {"steps": m["step"], "seconds": m["elapsed_s"], "final_loss": m["loss"], "val_loss": m.get("val_loss"),
-                "stopped_early": bool(m.get("stopped_early")), "resumed_from_step": m["resumed_from_step"]}
+                "stopped_early": bool(m.get("stopped_early")), "resumed_from_step": m["resumed_from_step"],
+                "slates_per_s": m["step"] * cfg.student.train.batch_size * cfg.cluster.train_workers / m["elapsed_s"],
+                "worker_peak_mb": m["worker_peak_mb"]}
     return fit
 
 
@@ -244,7 +249,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
     from hllm.model.backbones import resolve_device
     from hllm.recipes.job import student_ranker_config
     from hllm.recipes.stages import evaluate_stage, load_teacher, train_student_stage
-    from pipelines import teacher_gen
+    from pipelines import evaluate, teacher_gen
     from pipelines.registry import log_student
 
     device = resolve_device(cfg.device)
@@ -254,8 +259,12 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
         student_dir = train_student_stage(cfg, teacher_model, rankings["train"], rankings["val"],
                                           ray_fit(cfg, run.info.run_id), fit_key=cfg.distill)
         log_metrics(json.loads((student_dir / "stage.json").read_text()), prefix="student.")
-        report = evaluate_stage(cfg, load_teacher(teacher_model, cfg, device), student_dir, rankings["test"], device)
-        log_metrics(dataclasses.asdict(report), prefix="eval.")
+        t0 = time.perf_counter()
+        report = evaluate_stage(cfg, load_teacher(teacher_model, cfg, device), student_dir, rankings["test"], device,
+                                evaluate.ray_scorer(cfg, teacher_model))
+        seconds = time.perf_counter() - t0
+        log_metrics({**dataclasses.asdict(report), "seconds": seconds, "slates_per_s": report.test_slates / seconds,
+                     "driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, prefix="eval.")
         (Path(cfg.output_dir) / "report.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
         mlflow.log_artifact(str(Path(cfg.output_dir) / "report.json"))
         if report.calibration:  # the reliability diagram of relevance_score on the test split

@@ -1,6 +1,8 @@
 """Calibrated relevance: probabilities in [0, 1], non-increasing along the ranking, fitted on
 held-out slates, saved with the model; ECE against hand-computed values."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -74,3 +76,19 @@ def test_a_calibrated_student_ranks_with_relevance(tiny_backbone, small_splits, 
     ranked = Reranker.load(tmp_path).rank("red boots", ["red boots", "blue shirt", "acme red boots", "scarf"])
     relevance = [r.relevance for r in ranked]
     assert all(0 <= p <= 1 for p in relevance) and relevance == sorted(relevance, reverse=True)
+
+
+def test_reliability_sums_of_batches_in_any_order_equal_the_whole_bit_for_bit():
+    from hllm.model.calibration import calibration_sums
+
+    rng = np.random.default_rng(2)
+    calibrator = fit_calibrator(*_slates(rng, 100), rel=2)
+    test = _slates(rng, 40)
+    whole = calibration_report(calibrator, *test)
+    parts = [calibration_sums(calibrator, *(x[i:i + 7] for x in test)) for i in range(0, 40, 7)]
+    merged = parts[3]
+    for p in parts[:3] + parts[4:][::-1]:
+        merged.merge(p)
+    assert json.dumps(merged.report()) == json.dumps(whole) and whole["slates"] == 40  # NaN bins compare as text
+    probs = np.concatenate([calibrator.probabilities(m, p) for m, p in zip(*test[:2])])
+    assert whole["mean_predicted"] == pytest.approx(probs.mean(), abs=1e-12)

@@ -11,7 +11,9 @@ import pytest
 
 from hllm import Reranker
 from hllm.config import load_config
+from hllm.data import store
 from hllm.recipes.job import student_ranker_config
+from hllm.recipes.stages import evaluate_stage, load_teacher
 from pipelines import distill, teacher_gen
 from pipelines.common import PipelineConfig
 
@@ -35,8 +37,16 @@ JOB = [
 
 def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
     cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=4",
-                                                      "distill.checkpoint_every=2"])
+                                                      "distill.checkpoint_every=2", "cluster.teacher_batch_slates=4",
+                                                      "eval.batch_slates=3"])
     report, run_id = distill.run(cfg)
+    # the evaluation streamed through the actor pool (a shard a task) equals the same store evaluated in
+    # this process, to the last bit: teacher (and its free decoding), every decoder, calibration
+    teacher_model, rankings = teacher_gen.run(cfg, splits=("test",))  # reused
+    assert len(store.shards(rankings["test"].directory)) == 2  # 6 test slates, 4 a shard
+    local = evaluate_stage(cfg, load_teacher(teacher_model, cfg, "cpu"), tmp_path / "student", rankings["test"], "cpu")
+    assert report.teacher_free is not None and report.calibration is not None and report.test_slates == 6
+    assert json.dumps(_untimed(local)) == json.dumps(_untimed(report))
     stage = json.loads((tmp_path / "student" / "stage.json").read_text())
     assert stage["steps"] == 4 and stage["val_loss"] > 0  # the held-out loss comes from the worker's loop
     assert report.student.decoders["hungarian"]["validity"] == 1.0
@@ -71,6 +81,15 @@ def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
     finally:
         del os.environ["MLFLOW_TRACKING_URI"]
     assert sorted(d.index for d in ranked) == [0, 1, 2]
+
+
+def _untimed(report) -> dict:
+    """A report without its timings (latency profile, decode time)."""
+    out = dataclasses.asdict(report)
+    out["latency"] = None
+    for figures in out["student"]["decoders"].values():
+        figures.pop("decode_ms")
+    return out
 
 
 def _has_checkpoint(snapshot: Path) -> bool:

@@ -57,3 +57,41 @@ def test_same_seed_same_teacher_outputs_and_student_metrics(tmp_path):
     assert reports[0].teacher == reports[1].teacher
     untimed = lambda student: {d: {k: v for k, v in m.items() if k != "decode_ms"} for d, m in student.decoders.items()}  # noqa: E731
     assert untimed(reports[0].student) == untimed(reports[1].student)
+
+
+def test_evaluation_is_sums_of_shards_equal_in_any_order_and_to_the_whole_split_figures(tmp_path):
+    """The evaluation adds exact per-batch sums: shards merged in any order give the report bit for bit,
+    and the figures equal trec_eval's (and Kendall tau's) means over the whole split."""
+    import dataclasses
+    import math
+
+    from hllm import Reranker
+    from hllm.data import store
+    from hllm.eval.evaluation import first_stage_order, quality
+    from hllm.eval.metrics import agreement
+    from hllm.recipes.stages import EvalReport, load_teacher, shard_sums, teacher_model
+
+    cfg = load_config(JobConfig, None, TINY_JOB + [f"output_dir={tmp_path}", "eval.batch_slates=2"])
+    report = run(cfg)
+    (test_dir,) = (tmp_path / "rankings").glob("test-*")
+    items = store.read_rankings(test_dir)
+    reranker = Reranker.load(tmp_path / "student", merge_lora=True)
+    teacher = load_teacher(teacher_model(cfg), cfg, "cpu")
+    whole = shard_sums(reranker, teacher, items, cfg.eval)  # batches of 2: (0, 1), (2, 3), (4, 5)
+    parts = [shard_sums(reranker, teacher, items[i:i + 2], cfg.eval) for i in (4, 0, 2)]  # the same batches, shuffled
+    merged = parts[0].merge(parts[1]).merge(parts[2])
+    strip = lambda r: {**dataclasses.asdict(r), "latency": None, "student": {  # noqa: E731
+        **dataclasses.asdict(r.student), "decoders": {d: {k: v for k, v in m.items() if k != "decode_ms"}
+                                                      for d, m in r.student.decoders.items()}}}
+    decoding = "constrained" if teacher.cfg.constrained else "free"
+    a, b = EvalReport.of(whole, {}, decoding), EvalReport.of(merged, {}, decoding)
+    assert json.dumps(strip(a)) == json.dumps(strip(b))
+    assert json.dumps(strip(a)) == json.dumps({**strip(report), "latency": None})  # the job's own evaluation
+    slates = [i.slate for i in items]
+    perms = [reranker.decode(m, "hungarian").permutation.tolist() for m in reranker.score_slates(slates)]
+    expect = {"first": quality(slates, first_stage_order(slates), 2), "student": quality(slates, perms, 2)}
+    for name, got in (("first", a.first_stage), ("student", a.student.decoders["hungarian"])):
+        assert all(math.isclose(got[k], v, abs_tol=1e-12) for k, v in expect[name].items()), (name, got, expect[name])
+    tau = agreement(perms, [i.ranking.permutation for i in items])["kendall_tau"]
+    assert math.isclose(a.student.decoders["hungarian"]["kendall_tau"], tau, abs_tol=1e-12)
+    assert a.test_slates == 6 and a.calibration["items"] == 36  # every slate, every item

@@ -206,6 +206,12 @@ def read_rankings(directory: str | Path) -> list[RankedSlate]:
     return sorted(items, key=lambda i: i.slate.slate_id)
 
 
+def shard_rows(shard: str | Path | bytes) -> list[RankedSlate]:
+    """One shard's rows: a path, or the file's bytes (as `ray.data.read_binary_files` hands them out)."""
+    source = pa.BufferReader(shard) if isinstance(shard, bytes) else str(shard)
+    return from_rows(pq.read_table(source, schema=SCHEMA).to_pylist())
+
+
 def head(folder: str | Path, n: int = 1) -> list[RerankRequest]:
     """The first `n` slates of a folder of Parquet files with a `slate` column (slate shards or a
     rankings store), reading no more than it needs."""

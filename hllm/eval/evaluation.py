@@ -10,15 +10,18 @@ timed for every method before request i+1), so machine noise hits all methods al
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 import torch
 
-from hllm.eval.metrics import agreement, input_order_agreement, ir_measure_names, ir_metrics, ir_metrics_per_query, validity_rate
+from hllm.eval.metrics import (ir_measure_names, ir_metrics, ir_metrics_by_query, ir_metrics_per_query, kendall_tau,
+                               validity_rate)
 from hllm.model.decoding import DECODERS, is_permutation, rank1_energy
 from hllm.model.prompts import EncodedPrompt
 from hllm.records import ParseCounts, RerankRequest, TeacherRanking
@@ -34,11 +37,14 @@ class EvalConfig:
     binary_rel: int = 2  # MRR@10 / R@10 count grade >= this as relevant
     latency_requests: int = 20  # timed requests per method in the latency profile
     latency_warmup: int = 3  # untimed requests first
+    batch_slates: int = 32  # test slates per evaluation batch (in this process, or a task of the Ray pipeline's actor pool)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.decoders + [self.main_decoder]) - set(DECODERS))
         if unknown:
             raise ValueError(f"eval.decoders: unknown {unknown}; known: {sorted(DECODERS)}")
+        if self.batch_slates < 1:
+            raise ValueError(f"eval.batch_slates must be >= 1, got {self.batch_slates}")
         if self.main_decoder not in self.decoders:
             raise ValueError(f"eval.main_decoder {self.main_decoder!r} must be one of eval.decoders {self.decoders}")
 
@@ -52,16 +58,88 @@ def first_stage_order(requests: Sequence[RerankRequest]) -> list[list[int]]:
     return [list(range(len(r.candidates))) for r in requests]
 
 
+# ---- partial sums: any batching, any order of batches, the same figures to the last bit -----------
+class Means:
+    """name -> the exact sum (a `Fraction`: a float's exact value) and count of per-slate values, so
+    batches merged in any grouping or order give the same mean bit for bit: a test split evaluated in
+    batches on an actor pool equals the same split evaluated in one process. A NaN value makes its
+    mean NaN (as `np.mean` would)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list] = {}  # name -> [sum, count, NaNs]
+
+    def add(self, name: str, values: Iterable[float]) -> "Means":
+        s = self.sums.setdefault(name, [Fraction(0), 0, 0])
+        for v in values:
+            v = float(v)
+            if math.isnan(v):
+                s[2] += 1
+            else:
+                s[0] += Fraction(v)
+                s[1] += 1
+        return self
+
+    def merge(self, other: "Means") -> "Means":
+        for name, (total, count, nans) in other.sums.items():
+            s = self.sums.setdefault(name, [Fraction(0), 0, 0])
+            s[0], s[1], s[2] = s[0] + total, s[1] + count, s[2] + nans
+        return self
+
+    def mean(self, name: str) -> float:
+        total, count, nans = self.sums.get(name, (Fraction(0), 0, 0))
+        return float("nan") if nans or not count else float(total / count)
+
+    def count(self, name: str) -> int:
+        return self.sums.get(name, (0, 0, 0))[1]
+
+
+def add_quality(means: Means, prefix: str, requests: Sequence[RerankRequest], perms: Sequence[Sequence[int]], rel: int) -> None:
+    """Adds each judged query's canonical IR metrics under `prefix` + name (`quality` is their mean)."""
+    for name, by_qid in ir_metrics_by_query(requests, perms, ir_measure_names(rel)).items():
+        means.add(prefix + name, by_qid.values())
+
+
+def quality_of(means: Means, prefix: str, rel: int) -> dict[str, float]:
+    return {name: means.mean(prefix + name) for name in ir_measure_names(rel)}
+
+
+@dataclass
+class TeacherSums:
+    """Partial sums of a teacher's rankings of test slates; `report()` is `evaluate_teacher`'s dict."""
+
+    rel: int
+    means: Means = field(default_factory=Means)
+    counts: ParseCounts = field(default_factory=ParseCounts)
+    unparsed: int = 0
+
+    def add(self, requests: Sequence[RerankRequest], rankings: Sequence[TeacherRanking]) -> "TeacherSums":
+        for r in rankings:
+            self.counts.add(r.counts)
+        perms = [r.permutation if r.permutation is not None else list(range(len(q.candidates)))
+                 for q, r in zip(requests, rankings)]  # unparseable answers score with the input order
+        add_quality(self.means, "", requests, perms, self.rel)
+        self.unparsed += sum(r.permutation is None for r in rankings)
+        given = [list(map(int, r.permutation)) for r in rankings if r.permutation is not None]
+        self.means.add("same_as_input", [p == list(range(len(p))) for p in given])
+        self.means.add("tau_to_input", [kendall_tau(p, range(len(p))) for p in given])
+        return self
+
+    def merge(self, other: "TeacherSums") -> "TeacherSums":
+        self.means.merge(other.means)
+        self.counts.add(other.counts)
+        self.unparsed += other.unparsed
+        return self
+
+    def report(self) -> dict:
+        return {**quality_of(self.means, "", self.rel), "validity": self.counts.validity,
+                **{f"parse_{k}": v for k, v in self.counts.rates().items()},
+                "unparsed_scored_as_input_order": self.unparsed,
+                "same_as_input": self.means.mean("same_as_input"), "tau_to_input": self.means.mean("tau_to_input")}
+
+
 def evaluate_teacher(requests: Sequence[RerankRequest], rankings: Sequence[TeacherRanking], rel: int) -> dict:
     """Quality over every slate: unparseable answers score with the input order (counted apart)."""
-    counts = ParseCounts()
-    for r in rankings:
-        counts.add(r.counts)
-    perms = [r.permutation if r.permutation is not None else list(range(len(q.candidates)))
-             for q, r in zip(requests, rankings)]
-    return {**quality(requests, perms, rel), "validity": counts.validity, **{f"parse_{k}": v for k, v in counts.rates().items()},
-            "unparsed_scored_as_input_order": sum(r.permutation is None for r in rankings),
-            **{k: v for k, v in input_order_agreement([r.permutation for r in rankings]).items() if k != "rankings"}}
+    return TeacherSums(rel).add(requests, rankings).report()
 
 
 @dataclass
@@ -70,34 +148,80 @@ class StudentEval:
 
     decoders: dict[str, dict[str, float]]  # decoder -> canonical IR metrics, agreement, validity, timings
     matrix: dict[str, float]  # properties of the matrices themselves (rank-1 energy)
-    per_query: dict[str, list[float]]  # decoder -> nDCG@10 per slate, in slate order (paired comparisons)
+    per_query: dict[str, list[float]]  # decoder -> nDCG@10 per slate, in slate-id order (paired comparisons)
+
+
+@dataclass
+class StudentSums:
+    """Partial sums of the decoder report over batches of score matrices; `report()` -> `StudentEval`.
+    Besides the sums it keeps one float per slate (nDCG@10 per decoder, rank-1 energy): the paired
+    comparisons and the energy's 10th percentile need them."""
+
+    cfg: EvalConfig
+    means: Means = field(default_factory=Means)  # "decoder/metric" -> per-slate values
+    decode_s: dict[str, float] = field(default_factory=dict)  # decoder -> seconds over every matrix
+    matrices: int = 0
+    per_query: dict[str, dict[str, float]] = field(default_factory=dict)  # decoder -> slate id -> nDCG@10
+    energy: list[float] = field(default_factory=list)
+
+    def add(self, requests: Sequence[RerankRequest], matrices: Sequence[np.ndarray],
+            teacher_perms: Sequence[list[int] | None]) -> "StudentSums":
+        perms_by = {}
+        for name in self.cfg.decoders:
+            t0 = time.perf_counter()
+            decoded = [DECODERS[name](m) for m in matrices]
+            self.decode_s[name] = self.decode_s.get(name, 0.0) + time.perf_counter() - t0
+            perms = perms_by[name] = [d.permutation.tolist() for d in decoded]
+            add_quality(self.means, f"{name}/", requests, perms, self.cfg.binary_rel)
+            by_qid = ir_metrics_per_query(requests, perms)
+            self.per_query.setdefault(name, {}).update({r.slate_id: by_qid.get(r.slate_id, float("nan")) for r in requests})
+            pairs = [(p, t) for p, t in zip(perms, teacher_perms) if t is not None]
+            self.means.add(f"{name}/kendall_tau", [kendall_tau(p, t) for p, t in pairs])
+            self.means.add(f"{name}/top1_agreement", [int(p[0]) == int(t[0]) for p, t in pairs])
+            self.means.add(f"{name}/validity", [validity_rate([p], [len(r.candidates)]) for p, r in zip(perms, requests)])
+            self.means.add(f"{name}/repaired", [d.repaired for d in decoded])
+        main = perms_by[self.cfg.main_decoder]
+        for name, perms in perms_by.items():
+            self.means.add(f"{name}/same_as_main", [p == q for p, q in zip(perms, main)])
+        self.energy += [rank1_energy(m) for m in matrices]
+        self.matrices += len(matrices)
+        return self
+
+    def merge(self, other: "StudentSums") -> "StudentSums":
+        self.means.merge(other.means)
+        for name, s in other.decode_s.items():
+            self.decode_s[name] = self.decode_s.get(name, 0.0) + s
+        for name, by_id in other.per_query.items():
+            self.per_query.setdefault(name, {}).update(by_id)
+        self.energy += other.energy
+        self.matrices += other.matrices
+        return self
+
+    def report(self) -> StudentEval:
+        decoders = {}
+        for name in self.cfg.decoders:
+            m = lambda metric: self.means.mean(f"{name}/{metric}")  # noqa: E731
+            pairs = self.means.count(f"{name}/kendall_tau")
+            decoders[name] = {
+                **quality_of(self.means, f"{name}/", self.cfg.binary_rel),
+                "kendall_tau": m("kendall_tau"), "top1_agreement": m("top1_agreement"), "pairs": pairs,
+                "validity": m("validity") if self.matrices else 0.0, "repaired": m("repaired"),
+                "decode_ms": 1000 * self.decode_s.get(name, 0.0) / max(self.matrices, 1),
+                "same_as_main": m("same_as_main"),
+            }
+        energy = sorted(self.energy)  # the percentile of a sorted list: the same whatever the batches' order
+        matrix = {"rank1_energy_mean": float(sum(Fraction(e) for e in energy) / max(len(energy), 1)) if energy else float("nan"),
+                  "rank1_energy_p10": float(np.percentile(energy, 10)) if energy else float("nan")}
+        per_query = {name: [by_id[k] for k in sorted(by_id)] for name, by_id in self.per_query.items()}
+        return StudentEval(decoders, matrix, per_query)
 
 
 def decoder_report(requests: Sequence[RerankRequest], matrices: Sequence[np.ndarray],
                    teacher_perms: Sequence[list[int] | None], cfg: EvalConfig) -> StudentEval:
-    """Per decoder: IR metrics, agreement to the teacher, validity, the share of slates decoded to
-    exactly the main decoder's permutation, and the decoder's own time per matrix."""
-    decoders, per_query, perms_by = {}, {}, {}
-    for name in cfg.decoders:
-        t0 = time.perf_counter()
-        decoded = [DECODERS[name](m) for m in matrices]
-        decode_ms = 1000 * (time.perf_counter() - t0) / max(len(matrices), 1)
-        perms = perms_by[name] = [d.permutation.tolist() for d in decoded]
-        by_qid = ir_metrics_per_query(requests, perms)
-        per_query[name] = [by_qid.get(r.slate_id, float("nan")) for r in requests]
-        decoders[name] = {
-            **quality(requests, perms, cfg.binary_rel),
-            **agreement(perms, teacher_perms),
-            "validity": validity_rate(perms, [len(r.candidates) for r in requests]),
-            "repaired": float(np.mean([d.repaired for d in decoded])),
-            "decode_ms": decode_ms,
-        }
-    main = perms_by[cfg.main_decoder]
-    for name, perms in perms_by.items():
-        decoders[name]["same_as_main"] = float(np.mean([p == q for p, q in zip(perms, main)]))
-    energy = [rank1_energy(m) for m in matrices]
-    matrix = {"rank1_energy_mean": float(np.mean(energy)), "rank1_energy_p10": float(np.percentile(energy, 10))}
-    return StudentEval(decoders, matrix, per_query)
+    """Per decoder: IR metrics, agreement to the teacher (Kendall tau, top-1, over the slates the
+    teacher ranked), validity, the share of slates decoded to exactly the main decoder's permutation,
+    and the decoder's own time per matrix."""
+    return StudentSums(cfg).add(requests, matrices, teacher_perms).report()
 
 
 def evaluate_student(reranker: Reranker, requests: Sequence[RerankRequest], teacher_perms: Sequence[list[int] | None],

@@ -54,9 +54,21 @@ def ir_metrics(requests: Sequence[RerankRequest], permutations: Sequence[Sequenc
 
 def ir_metrics_per_query(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],
                          measure: str = "nDCG@10") -> dict[str, float]:
+    return ir_metrics_by_query(requests, permutations, [measure])[measure]
+
+
+def ir_metrics_by_query(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],
+                        measures: Mapping[str, str] | Sequence[str]) -> dict[str, dict[str, float]]:
+    """-> {name: {query id: value}} over the judged queries (those `ir_metrics` averages), one
+    trec_eval pass for every measure; the per-batch partial sums of a streamed evaluation add these."""
+    named = dict(measures) if isinstance(measures, Mapping) else {m: m for m in measures}
     qrels, run = _qrels_and_run(requests, permutations)
-    parsed = ir_measures.parse_measure(measure)
-    return {m.query_id: float(m.value) for m in ir_measures.iter_calc([parsed], qrels, run)}
+    parsed = {name: ir_measures.parse_measure(m) for name, m in named.items()}
+    names = {p: name for name, p in parsed.items()}
+    out: dict[str, dict[str, float]] = {name: {} for name in named}
+    for m in ir_measures.iter_calc(list(parsed.values()), qrels, run):
+        out[names[m.measure]][m.query_id] = float(m.value)
+    return out
 
 
 def kendall_tau(perm: Sequence[int], reference: Sequence[int]) -> float:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -112,31 +113,85 @@ def fit_calibrator(matrices: Sequence[np.ndarray], permutations: Sequence[Sequen
                       fitted_on={"slates": len(matrices), "items": int(len(y)), "positives": int(y.sum())})
 
 
+@dataclass
+class ReliabilitySums:
+    """Per equal-width bin of predicted probability: items, the exact sum of predictions (a `Fraction`)
+    and relevant items; batches merge in any order to the same ECE and bins, bit for bit."""
+
+    bins: int = 10
+    rel: int | None = None
+    count: list[int] = field(default_factory=list)
+    predicted: list[Fraction] = field(default_factory=list)
+    relevant: list[int] = field(default_factory=list)
+    slates: int = 0
+
+    def __post_init__(self) -> None:
+        self.count = self.count or [0] * self.bins
+        self.predicted = self.predicted or [Fraction(0)] * self.bins
+        self.relevant = self.relevant or [0] * self.bins
+
+    def add(self, probs: np.ndarray, labels: np.ndarray, slates: int = 0) -> "ReliabilitySums":
+        edges = np.linspace(0.0, 1.0, self.bins + 1)
+        which = np.clip(np.digitize(probs, edges[1:-1]), 0, self.bins - 1)
+        for b, p, y in zip(which.tolist(), np.asarray(probs, dtype=np.float64).tolist(), np.asarray(labels).tolist()):
+            self.count[b] += 1
+            self.predicted[b] += Fraction(p)
+            self.relevant[b] += int(y)
+        self.slates += slates
+        return self
+
+    def merge(self, other: "ReliabilitySums") -> "ReliabilitySums":
+        for b in range(self.bins):
+            self.count[b] += other.count[b]
+            self.predicted[b] += other.predicted[b]
+            self.relevant[b] += other.relevant[b]
+        self.slates += other.slates
+        self.rel = self.rel if self.rel is not None else other.rel
+        return self
+
+    def rows(self) -> list[dict[str, float]]:
+        """[{lo, hi, count, mean_predicted, fraction_relevant}] per bin."""
+        edges = np.linspace(0.0, 1.0, self.bins + 1)
+        return [{"lo": float(edges[b]), "hi": float(edges[b + 1]), "count": n,
+                 "mean_predicted": float(self.predicted[b] / n) if n else float("nan"),
+                 "fraction_relevant": self.relevant[b] / n if n else float("nan")} for b, n in enumerate(self.count)]
+
+    def ece(self) -> float:
+        """The count-weighted mean |fraction relevant - mean predicted| over the bins."""
+        gap = sum((abs(Fraction(self.relevant[b], n) - self.predicted[b] / n) * n for b, n in enumerate(self.count) if n),
+                  Fraction(0))
+        return float(gap / max(sum(self.count), 1))
+
+    def report(self) -> dict:
+        items, positives = sum(self.count), sum(self.relevant)
+        return {"ece": self.ece(), "slates": self.slates, "items": items, "positives": positives,
+                "mean_predicted": float(sum(self.predicted, Fraction(0)) / items) if items else float("nan"),
+                "fraction_relevant": positives / items if items else float("nan"), "rel": self.rel, "bins": self.rows()}
+
+
 def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> list[dict[str, float]]:
     """Equal-width bins of predicted probability -> [{lo, hi, count, mean_predicted, fraction_relevant}]."""
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    which = np.clip(np.digitize(probs, edges[1:-1]), 0, bins - 1)
-    out = []
-    for b in range(bins):
-        mask = which == b
-        out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "count": int(mask.sum()),
-                    "mean_predicted": float(probs[mask].mean()) if mask.any() else float("nan"),
-                    "fraction_relevant": float(labels[mask].mean()) if mask.any() else float("nan")})
-    return out
+    return ReliabilitySums(bins).add(probs, labels).rows()
 
 
 def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> float:
     """ECE: the count-weighted mean |fraction relevant - mean predicted| over equal-width bins."""
-    rows = [r for r in reliability(probs, labels, bins) if r["count"]]
-    return float(sum(r["count"] * abs(r["fraction_relevant"] - r["mean_predicted"]) for r in rows) / max(len(probs), 1))
+    return ReliabilitySums(bins).add(probs, labels).ece()
+
+
+def calibration_sums(calibrator: Calibrator, matrices: Sequence[np.ndarray], permutations: Sequence[Sequence[int]],
+                     grades: Sequence[Sequence[int | None]], bins: int = 10) -> ReliabilitySums:
+    """The reliability sums of `calibrator`'s probabilities on a batch of (test) slates."""
+    _check_lengths(matrices, grades)
+    sums = ReliabilitySums(bins, calibrator.rel)
+    if not len(matrices):
+        return sums
+    probs = np.concatenate([calibrator.probabilities(m, p) for m, p in zip(matrices, permutations)])
+    labels = np.concatenate([relevance_labels(g, calibrator.rel) for g in grades])
+    return sums.add(probs, labels, len(matrices))
 
 
 def calibration_report(calibrator: Calibrator, matrices: Sequence[np.ndarray], permutations: Sequence[Sequence[int]],
                        grades: Sequence[Sequence[int | None]], bins: int = 10) -> dict:
     """ECE and the reliability bins of `calibrator` on (test) slates, with what they average."""
-    _check_lengths(matrices, grades)
-    probs = np.concatenate([calibrator.probabilities(m, p) for m, p in zip(matrices, permutations)])
-    labels = np.concatenate([relevance_labels(g, calibrator.rel) for g in grades])
-    return {"ece": expected_calibration_error(probs, labels, bins), "slates": len(matrices), "items": int(len(labels)),
-            "positives": int(labels.sum()), "mean_predicted": float(probs.mean()), "fraction_relevant": float(labels.mean()),
-            "rel": calibrator.rel, "bins": reliability(probs, labels, bins)}
+    return calibration_sums(calibrator, matrices, permutations, grades, bins).report()

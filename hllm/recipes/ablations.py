@@ -154,7 +154,7 @@ class Baseline:
     """A ranking method without a trained head, on the same test slates as the cells."""
 
     metrics: dict[str, float]  # canonical IR metrics, agreement to the teacher, validity
-    per_query: list[float]  # nDCG@10 per slate
+    per_query: list[float]  # nDCG@10 per slate, in slate-id order (as a cell's)
 
 
 def baseline_metrics(requests: Sequence[RerankRequest], perms: Sequence[list[int] | None],
@@ -164,7 +164,7 @@ def baseline_metrics(requests: Sequence[RerankRequest], perms: Sequence[list[int
     scored = [p if p is not None else list(range(n)) for p, n in zip(perms, sizes)]
     by_qid = ir_metrics_per_query(requests, scored)
     return Baseline({**quality(requests, scored, rel), **agreement(perms, teacher_perms), "validity": validity_rate(perms, sizes)},
-                    [by_qid.get(r.slate_id, float("nan")) for r in requests])
+                    [by_qid.get(i, float("nan")) for i in sorted(r.slate_id for r in requests)])
 
 
 def scores_to_perm(scores: np.ndarray) -> list[int]:

@@ -26,10 +26,11 @@ import torch
 
 from hllm.data import store
 from hllm.data.cache import fingerprint, mark_done, stage_done, stage_info
-from hllm.eval.evaluation import StudentEval, decoder_report, evaluate_teacher, first_stage_order, latency_profile, quality
+from hllm.eval.evaluation import (EvalConfig, Means, StudentEval, StudentSums, TeacherSums, add_quality, first_stage_order,
+                                  latency_profile, quality_of)
 from hllm.data.progress import Progress
 from hllm.eval.metrics import kendall_tau
-from hllm.model.calibration import Calibrator, calibration_report, fit_calibrator
+from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_report, calibration_sums, fit_calibrator
 from hllm.recipes.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.model.backbones import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
                                   save_backbone, weights_id)
@@ -378,6 +379,88 @@ def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dic
 
 # ---- evaluation ----------------------------------------------------------------------------------
 @dataclass
+class EvalSums:
+    """Partial sums of the held-out evaluation over a batch of test slates: the first stage, the teacher
+    as generated (and decoding freely, where its rankings were constrained), the student under every
+    decoder, the calibration bins. `merge` adds another batch's, in any order, to the same figures bit
+    for bit: the test split evaluated on an actor pool equals it evaluated in one process."""
+
+    rel: int
+    first_stage: Means
+    teacher: TeacherSums
+    teacher_free: TeacherSums | None
+    student: StudentSums
+    calibration: ReliabilitySums | None
+    slates: int = 0
+    slate_size: int = 0
+
+    def merge(self, other: "EvalSums") -> "EvalSums":
+        self.first_stage.merge(other.first_stage)
+        self.teacher.merge(other.teacher)
+        if self.teacher_free is not None and other.teacher_free is not None:
+            self.teacher_free.merge(other.teacher_free)
+        self.student.merge(other.student)
+        if self.calibration is not None and other.calibration is not None:
+            self.calibration.merge(other.calibration)
+        self.slates += other.slates
+        self.slate_size = max(self.slate_size, other.slate_size)
+        return self
+
+
+def eval_batch_sums(reranker: Reranker, teacher: ARTeacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
+    """One batch of test slates with their teacher rankings: scored once by the student (the decoder
+    report and the calibration read the same matrices); where the teacher's rankings were constrained,
+    the teacher decodes the batch freely too (validity is only informative without the grammar)."""
+    slates, rel = [i.slate for i in items], cfg.binary_rel
+    matrices = reranker.score_slates(slates)
+    first_stage = Means()
+    add_quality(first_stage, "", slates, first_stage_order(slates), rel)
+    free = None
+    if teacher.cfg.constrained:
+        free = TeacherSums(rel).add(slates, teacher.with_config(constrained=False).rank(slates))
+    calibration = None
+    if reranker.calibrator is not None:
+        calibration = calibration_sums(reranker.calibrator, *_scored(reranker, slates, matrices))
+    return EvalSums(rel, first_stage, TeacherSums(rel).add(slates, [i.ranking for i in items]), free,
+                    StudentSums(cfg).add(slates, matrices, [i.ranking.permutation for i in items]), calibration,
+                    slates=len(slates), slate_size=max((len(s.candidates) for s in slates), default=0))
+
+
+def shard_sums(reranker: Reranker, teacher: ARTeacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
+    """One shard of the test rankings store, in batches of `eval.batch_slates`: the unit of work of every
+    evaluation, so the batches, and with them the figures, do not depend on who evaluates which shard
+    or in what order (a batch's float arithmetic, e.g. its padding, is the same wherever it runs; the
+    sums are exact)."""
+    total = None
+    for start in range(0, len(items), cfg.batch_slates):
+        sums = eval_batch_sums(reranker, teacher, items[start:start + cfg.batch_slates], cfg)
+        total = sums if total is None else total.merge(sums)
+    if total is None:
+        raise ValueError("evaluation: an empty shard")
+    return total
+
+
+ScoreTest = Callable[[Path, "Rankings"], EvalSums]
+"""Evaluates the student folder (and the teacher) on every shard of the test rankings (`shard_sums`);
+-> the merged sums."""
+
+
+def score_in_process(cfg: JobConfig, teacher: ARTeacher, device: torch.device | str) -> ScoreTest:
+    """The local `ScoreTest`: this process's student and teacher, shard after shard."""
+    def score(student_dir: Path, test: Rankings) -> EvalSums:
+        reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
+        progress, total = Progress("evaluation", test.stats["slates"], log), None
+        for path in store.shards(test.directory):
+            sums = shard_sums(reranker, teacher, store.shard_rows(path), cfg.eval)
+            total = sums if total is None else total.merge(sums)
+            progress.update(sums.slates)
+        if total is None:
+            raise ValueError(f"evaluation: no test slates in {test.directory}")
+        return total
+    return score
+
+
+@dataclass
 class EvalReport:
     """The job's held-out comparison: first stage, teacher and student on the same test slates."""
 
@@ -391,23 +474,27 @@ class EvalReport:
     latency: dict[str, dict[str, float]]
     calibration: dict[str, Any] | None = None  # ECE and reliability bins of relevance_score on the test slates
 
+    @classmethod
+    def of(cls, sums: EvalSums, latency: dict[str, dict[str, float]], teacher_decoding: str) -> "EvalReport":
+        return cls(test_slates=sums.slates, slate_size=sums.slate_size, first_stage=quality_of(sums.first_stage, "", sums.rel),
+                   teacher=sums.teacher.report(), teacher_decoding=teacher_decoding,
+                   teacher_free=sums.teacher_free.report() if sums.teacher_free is not None else None,
+                   student=sums.student.report(), latency=latency,
+                   calibration=sums.calibration.report() if sums.calibration is not None else None)
 
-def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: Rankings, device: torch.device) -> EvalReport:
+
+def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: Rankings, device: torch.device,
+                   score: ScoreTest | None = None) -> EvalReport:
+    """The student against the first stage and the teacher on every test slate: the quality figures
+    are sums over batches (`score`: in this process by default, or an actor pool), so no process
+    holds the split; the latency profile times the first `eval.latency_requests` slates here."""
+    sums = (score or score_in_process(cfg, teacher, device))(student_dir, test)
+    if sums.slates != test.stats["slates"]:
+        raise RuntimeError(f"evaluation: {sums.slates} slates evaluated of the {test.stats['slates']} test slates")
     reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
-    slates, rel = test.slates, cfg.eval.binary_rel
-    constrained = teacher.cfg.constrained
-    matrices = reranker.score_slates(slates)  # once: the decoder report and the calibration read the same
-    return EvalReport(
-        test_slates=len(slates), slate_size=max(len(s.candidates) for s in slates),
-        first_stage=quality(slates, first_stage_order(slates), rel),
-        teacher=evaluate_teacher(slates, [i.ranking for i in test.items], rel),
-        teacher_decoding="constrained" if constrained else "free",
-        # validity is only informative without the grammar: measure free decoding too
-        teacher_free=evaluate_teacher(slates, teacher.with_config(constrained=False).rank(slates), rel) if constrained else None,
-        student=decoder_report(slates, matrices, test.permutations, cfg.eval),
-        latency=latency_profile(reranker, teacher, slates, cfg.eval),
-        calibration=calibration_on(reranker, slates, matrices),
-    )
+    timed = store.head(test.directory, cfg.eval.latency_requests)
+    return EvalReport.of(sums, latency_profile(reranker, teacher, timed, cfg.eval),
+                         "constrained" if teacher.cfg.constrained else "free")
 
 
 def _scored(reranker: Reranker, slates: Sequence[RerankRequest], matrices: list[np.ndarray]):
