@@ -91,7 +91,7 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
         import ray
 
         init_ray(cfg.cluster)
-        gpu = cluster_has_gpus(cfg.cluster)
+        gpu = cluster_has_gpus(cfg.cluster) and cfg.teacher.rankings is None  # a rankings file needs no GPU
         directory.mkdir(parents=True, exist_ok=True)
         batch = cfg.cluster.teacher_batch_slates
         ds = slates_dataset(source, batch)
@@ -123,6 +123,23 @@ def split_sources(cfg: PipelineConfig) -> dict[str, store.SplitSlates]:
                                     folder=shards.split_dir(name)) for name in SPLITS}
 
 
+def file_coverage(cfg: PipelineConfig, rankings: dict[str, Rankings]) -> dict[str, int]:
+    """A rankings file against every split: its queries, and those no slate of the job has (another
+    collection's, or a mismatch of ids), logged as warnings where there are any."""
+    from hllm.teacher.external import FileTeacher
+
+    queries = FileTeacher(cfg.teacher.rankings_format, cfg.teacher.rankings).queries()
+    ranked = sum(r.stats["coverage"]["ranked"] for r in rankings.values())
+    out = {"queries": queries, "other_queries": queries - ranked,
+           **{k: sum(r.stats["coverage"][k] for r in rankings.values()) for k in ("uncovered", "missing_ids", "outside_slate",
+                                                                                    "repeated_ids")}}
+    if out["other_queries"] or out["uncovered"]:
+        log.warning("teacher rankings file %s: %d of its %d queries are in no split; %d slates it does not rank "
+                    "(no permutation: the student skips them)", cfg.teacher.rankings, out["other_queries"], queries,
+                    out["uncovered"])
+    return out
+
+
 def run(cfg: PipelineConfig, parent_run_id: str | None = None, splits: tuple[str, ...] = SPLITS
         ) -> tuple[ModelConfig, dict[str, Rankings]]:
     """The data stage, the teacher bootstrapped (or loaded), then its rankings of each split streamed
@@ -140,6 +157,8 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None, splits: tuple[str
             log_metrics({**r.stats, "actors": cfg.cluster.teacher_actors,
                          "driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
                         prefix=f"teacher_gen.{name}.")
+        if cfg.teacher.rankings is not None and set(splits) == set(SPLITS):
+            log_metrics(file_coverage(cfg, rankings), prefix="teacher_gen.file.")
     return teacher_model, rankings
 
 

@@ -3,8 +3,8 @@
 # only), submit pipelines/full.py with `ray job submit`, stream its output, stop Ray again.
 #   scripts/run_local.sh [key=value ...]     e.g. scripts/run_local.sh student.train.steps=100
 #   scripts/run_local.sh --config configs/dl19-smollm2.yaml [key=value ...]
-# The job runs in Ray's copy of the working directory, so the config's output_dir and data.path
-# are made absolute here (relative to the checkout), and the outputs land in this checkout.
+# The job runs in Ray's copy of the working directory, so the config's output_dir, data.path and
+# teacher.rankings are made absolute here (relative to the checkout), and the outputs land in this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
@@ -17,10 +17,11 @@ port=${HLLM_DASHBOARD_PORT:-8265}
 config=() out=runs/default
 if [ "${1:-}" = "--config" ]; then
   config=(--config "$2")
-  read -r out data < <(.venv/bin/python -c 'import sys, yaml
+  read -r out data rankings < <(.venv/bin/python -c 'import sys, yaml
 c = yaml.safe_load(open(sys.argv[1])) or {}
-print(c.get("output_dir", "runs/default"), (c.get("data") or {}).get("path") or "")' "$2")
-  [ -n "$data" ] && config+=("data.path=$(realpath -m "$data")")
+print(c.get("output_dir", "runs/default"), (c.get("data") or {}).get("path") or "-", (c.get("teacher") or {}).get("rankings") or "-")' "$2")
+  [ "$data" != - ] && config+=("data.path=$(realpath -m "$data")")
+  [ "$rankings" != - ] && config+=("teacher.rankings=$(realpath -m "$rankings")")
   shift 2
 fi
 ray start --head --num-cpus="${HLLM_RAY_CPUS:-4}" --dashboard-host=127.0.0.1 --dashboard-port="$port" \

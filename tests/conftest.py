@@ -72,3 +72,17 @@ def graded_examples(ranker, slates):
 
     unranked = [RankedSlate(s, TeacherRanking(s.slate_id, None, "", ParseCounts())) for s in slates]
     return student_examples(ranker.prompts, unranked, LossConfig({"graded_ce": 1.0}))[0]
+
+
+def gold_run(slates, path, skip=(), foreign=()):
+    """A run file ranking each slate by its grades (a perfect teacher), but for the `skip` slates; the
+    `foreign` slates' lists also name a passage they lack, and a query of no slate is ranked too."""
+    lines = ["query-id\tcorpus-id\trank\tscore"]
+    for s in slates:
+        if s.slate_id in skip:
+            continue
+        order = sorted(range(len(s.candidates)), key=lambda i: -(s.grades[i] or 0))
+        docids = [s.candidates[i].docid for i in order] + (["elsewhere"] if s.slate_id in foreign else [])
+        lines += [f"{s.slate_id}\t{d}\t{r + 1}\t{100 - r}" for r, d in enumerate(docids)]
+    lines.append("no-such-query\tx\t1\t1")
+    path.write_text("\n".join(lines) + "\n")

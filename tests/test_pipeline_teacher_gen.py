@@ -81,3 +81,29 @@ def test_killed_run_resumes_with_exactly_one_row_per_slate(tmp_path):
     rows = store.read_rankings(shards()[0].parent)
     assert len(rows) == 64 and len({r.slate.slate_id for r in rows}) == 64
     assert f"resumed {4 * shards_before} done" in result.stdout  # the finished shards were not redone
+
+
+def test_rankings_from_a_file_stream_through_the_actor_pool_into_the_store(ray_local, tmp_path):
+    """`teacher.rankings`: the same actor pool looks the rankings up (no model, no GPU); what the file
+    lacks is counted in the footers, the stage's stats and MLflow."""
+    from hllm.data.splits import load_splits
+    from conftest import gold_run
+
+    job = [o for o in GEN_JOB if not o.startswith("teacher.")] + [
+        "teacher.bootstrap=false", "student.init_from_teacher=false", "student.model.preset=tiny"]
+    data = load_config(PipelineConfig, None, job + ["teacher.rankings=/dev/null"]).data
+    slates = [s for split in load_splits(data).values() for s in split]
+    skipped = sorted(s.slate_id for s in slates)[:3]
+    gold_run(slates, tmp_path / "teacher.tsv", skip=set(skipped))
+    cfg = load_config(PipelineConfig, None, job + [f"output_dir={tmp_path / 'out'}", f"teacher.rankings={tmp_path / 'teacher.tsv'}"])
+    _, rankings = teacher_gen.run(cfg)
+    assert {k: r.stats["slates"] for k, r in rankings.items()} == {"train": 48, "val": 2, "test": 2}
+    assert sum(r.stats["coverage"]["uncovered"] for r in rankings.values()) == 3  # one row per slate all the same
+    unranked = sorted(i.slate.slate_id for r in rankings.values() for i in r.items if i.ranking.permutation is None)
+    assert unranked == skipped
+    assert len(store.shards(rankings["train"].directory)) == 6 and len(rankings["train"].stats["nodes"]) == 1
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+    (run,) = mlflow.search_runs(experiment_names=["hllm"], output_format="list")
+    assert run.data.metrics["teacher_gen.file.queries"] == 50 and run.data.metrics["teacher_gen.file.other_queries"] == 1
+    assert run.data.metrics["teacher_gen.file.uncovered"] == 3

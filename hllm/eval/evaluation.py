@@ -276,12 +276,14 @@ def single_pass_methods(reranker: Reranker, prompts: dict[int, EncodedPrompt], d
 
 
 def latency_profile(reranker: Reranker, teacher, requests: Sequence[RerankRequest], cfg: EvalConfig) -> dict[str, dict[str, float]]:
-    """Per-request latency (ms, p50/p95) at batch size 1 for each method, measured interleaved; the
+    """Per-request latency (ms, p50/p95) at batch size 1 for each method (the AR teacher's where `teacher`
+    is not None), measured interleaved; the
     single pass also carries `over_prefill` (`paired_ratio` to the bare prefill)."""
     reqs = list(requests[: cfg.latency_requests])
     prompts = {id(r): reranker.encode_slate(r) for r in reqs}
-    methods = {"tokenize": reranker.encode_slate, **single_pass_methods(reranker, prompts, cfg.main_decoder),
-               "ar_teacher": lambda req: teacher.rank([req])}
+    methods = {"tokenize": reranker.encode_slate, **single_pass_methods(reranker, prompts, cfg.main_decoder)}
+    if teacher is not None:  # None: the teacher's rankings came from a file, nothing generates
+        methods["ar_teacher"] = lambda req: teacher.rank([req])
     with torch.inference_mode():
         latency = interleaved_latency(methods, reqs, cfg.latency_warmup, samples=True)
     latency["single_pass"]["over_prefill"] = paired_ratio(latency, "single_pass", "bare_prefill")

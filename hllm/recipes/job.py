@@ -32,6 +32,23 @@ class TeacherStageConfig:
     bootstrap: bool = True  # fine-tune `model` on the train queries' gold rankings first
     bootstrap_cfg: BootstrapConfig = field(default_factory=BootstrapConfig)
     generation: TeacherConfig = field(default_factory=lambda: TeacherConfig(repair=True))
+    # the teacher's rankings from a file instead of generated (`hllm.teacher.external`): exclusive with
+    # bootstrapping and generating, and with a student that starts from the teacher's weights
+    rankings: str | None = None
+    rankings_format: Literal["run", "rank_llm", "responses"] = "run"  # a TREC / BEIR run, rank_llm JSONL, raw answers
+
+    def __post_init__(self) -> None:
+        if self.rankings is None:
+            return
+        conflicts = [f"teacher.{name}" for name, unused in (
+            ("bootstrap", self.bootstrap), ("model", self.model != ModelConfig()),
+            ("generation", self.generation != TeacherConfig(repair=True))) if unused]
+        if conflicts:
+            raise ConfigError(
+                f"teacher.rankings={self.rankings} takes the teacher's rankings from a file, so no teacher is bootstrapped "
+                f"or run, and {', '.join(conflicts)} would be ignored: it is exclusive with generation. Set "
+                "teacher.bootstrap=false and leave teacher.model / teacher.generation unset (a config without a "
+                "teacher section, e.g. not configs/default.yaml)")
 
 
 @dataclass
@@ -77,7 +94,10 @@ class JobConfig:
     def __post_init__(self) -> None:
         # the teacher's preset: its bootstrap and generation are what the sizes make cheap or hours long (a
         # student with its own backbone is an explicit choice in the same config, as in ablation cells)
-        presets = {self.teacher.model.preset}
+        if self.teacher.rankings is not None and self.student.init_from_teacher:
+            raise ConfigError(f"teacher.rankings={self.teacher.rankings}: the teacher is a file, it has no weights to "
+                              "start the student from; set student.init_from_teacher=false and student.model")
+        presets = {self.teacher.model.preset if self.teacher.rankings is None else self.student.model.preset}
         if presets != {self.sized_for}:
             raise ConfigError(
                 f"the job's models are {sorted(presets)} but its step counts, batch sizes and latency requests were "

@@ -38,6 +38,7 @@ from hllm.model.prompts import PromptBuilder, PromptConfig
 from hllm.model.ranker import CONFIG_FILE, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import ParseCounts, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
+from hllm.teacher.external import FileTeacher
 from hllm.teacher.generation import ARTeacher
 from hllm.train.loop import bootstrap_teacher, student_examples, train_student
 
@@ -113,7 +114,13 @@ def export_teacher(run_dir: str | Path, to: str | Path = EMBEDDED_TEACHER) -> di
     return provenance
 
 
-def load_teacher(model_cfg: ModelConfig, cfg: JobConfig, device: torch.device | str) -> ARTeacher:
+Teacher = ARTeacher | FileTeacher  # what ranks slates: a model that generates, or a file of what one wrote
+
+
+def load_teacher(model_cfg: ModelConfig, cfg: JobConfig, device: torch.device | str) -> Teacher:
+    """The job's teacher: its rankings file (`teacher.rankings`), else the model, loaded on `device`."""
+    if cfg.teacher.rankings is not None:
+        return FileTeacher(cfg.teacher.rankings_format, cfg.teacher.rankings)
     if model_cfg.preset == "embedded":
         check_embedded_prompt(cfg.prompt)
     model, tokenizer = load_backbone(model_cfg)
@@ -132,7 +139,10 @@ def check_embedded_prompt(prompt: PromptConfig) -> None:
 
 
 def generation_key(cfg: JobConfig, teacher_model: ModelConfig) -> str:
-    """Identifies a teacher's rankings: data, prompt, teacher weights and decoding settings."""
+    """Identifies a teacher's rankings: data, prompt, teacher weights and decoding settings; for rankings
+    from a file, the data and the file (its format and SHA-256)."""
+    if cfg.teacher.rankings is not None:
+        return fingerprint(cfg.data, "teacher rankings file", cfg.teacher.rankings_format, file_sha256(Path(cfg.teacher.rankings)))
     weights = stage_info(Path(cfg.output_dir) / "teacher") if cfg.teacher.bootstrap else weights_id(teacher_model)
     return fingerprint(cfg.data, cfg.prompt, teacher_model, cfg.teacher.generation, weights or "")
 
@@ -161,14 +171,23 @@ def ranking_summary(items: Sequence[RankedSlate]) -> store.Summary:
             "latency_s": sum(i.ranking.latency_s for i in items), "nodes": nodes}
 
 
-def rank_and_write(teacher: ARTeacher, slates: list[RerankRequest], directory: Path, node: str = "") -> list[RankedSlate]:
-    """One shard: the teacher ranks `slates`, the rows go to `directory` atomically, its summary in the footer."""
-    items = [RankedSlate(s, dataclasses.replace(r, node=node)) for s, r in zip(slates, teacher.rank(slates))]
-    store.write_shard(items, directory, ranking_summary(items))
+def rank_and_write(teacher: Teacher, slates: list[RerankRequest], directory: Path, node: str = "") -> list[RankedSlate]:
+    """One shard: the teacher ranks `slates`, the rows go to `directory` atomically, its summary in the footer
+    (for a file's rankings, with how they fit the slates: `hllm.teacher.external.Coverage`)."""
+    coverage = None
+    if isinstance(teacher, FileTeacher):
+        rankings, coverage = teacher.rank_covered(slates)
+    else:
+        rankings = teacher.rank(slates)
+    items = [RankedSlate(s, dataclasses.replace(r, node=node)) for s, r in zip(slates, rankings)]
+    summary = ranking_summary(items)
+    if coverage is not None:
+        summary["coverage"] = coverage.counts()
+    store.write_shard(items, directory, summary)
     return items
 
 
-def rank_in_process(teacher: ARTeacher, shard_slates: int = 64) -> RankSlates:
+def rank_in_process(teacher: Teacher, shard_slates: int = 64) -> RankSlates:
     """The local `RankSlates`: this process's teacher, a shard per `shard_slates` slates still to rank."""
     def rank(source: store.SplitSlates, directory: Path) -> None:
         done = set(store.finished_ids(directory))
@@ -221,7 +240,7 @@ def totals(summary: store.Summary) -> dict[str, Any]:
     return {"slates": summary["slates"], "counts": dataclasses.asdict(counts), "validity": counts.validity,
             "same_as_input": summary["same_as_input"] / ranked if ranked else float("nan"),
             "tau_to_input": summary["tau_to_input_sum"] / ranked if ranked else float("nan"), "rankings": ranked,
-            "nodes": summary.get("nodes", {})}
+            "nodes": summary.get("nodes", {}), **({"coverage": summary["coverage"]} if "coverage" in summary else {})}
 
 
 def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: str,
@@ -258,6 +277,8 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
         log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s, same as input order %.3f, "
                  "Kendall tau to input order %.3f", split, source.count, generated, elapsed, rankings.counts,
                  stats["same_as_input"], stats["tau_to_input"])
+        if stats.get("coverage", {}).get("uncovered") or stats.get("coverage", {}).get("missing_ids"):
+            log.warning("teacher rankings %s from %s: %s", split, cfg.teacher.rankings, stats["coverage"])
         mark_done(directory, key, **stats)
     return rankings
 
@@ -360,6 +381,8 @@ def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dic
     m, t = rcfg.model, cfg.teacher
     teacher = f"{t.model.preset}{' ' + t.model.path if t.model.path else ''}" + \
         (" bootstrapped on the train queries' qrels" if t.bootstrap else "")
+    if t.rankings is not None:
+        teacher = f"rankings read from {Path(t.rankings).name} ({t.rankings_format}, sha256 {file_sha256(Path(t.rankings))[:16]})"
     data = cfg.data
     return {
         "base_model": (f"{t.model.preset} (the teacher's weights)" if cfg.student.init_from_teacher
@@ -407,7 +430,7 @@ class EvalSums:
         return self
 
 
-def eval_batch_sums(reranker: Reranker, teacher: ARTeacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
+def eval_batch_sums(reranker: Reranker, teacher: Teacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
     """One batch of test slates with their teacher rankings: scored once by the student (the decoder
     report and the calibration read the same matrices); where the teacher's rankings were constrained,
     the teacher decodes the batch freely too (validity is only informative without the grammar)."""
@@ -416,7 +439,7 @@ def eval_batch_sums(reranker: Reranker, teacher: ARTeacher, items: Sequence[Rank
     first_stage = Means()
     add_quality(first_stage, "", slates, first_stage_order(slates), rel)
     free = None
-    if teacher.cfg.constrained:
+    if isinstance(teacher, ARTeacher) and teacher.cfg.constrained:
         free = TeacherSums(rel).add(slates, teacher.with_config(constrained=False).rank(slates))
     calibration = None
     if reranker.calibrator is not None:
@@ -426,7 +449,7 @@ def eval_batch_sums(reranker: Reranker, teacher: ARTeacher, items: Sequence[Rank
                     slates=len(slates), slate_size=max((len(s.candidates) for s in slates), default=0))
 
 
-def shard_sums(reranker: Reranker, teacher: ARTeacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
+def shard_sums(reranker: Reranker, teacher: Teacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
     """One shard of the test rankings store, in batches of `eval.batch_slates`: the unit of work of every
     evaluation, so the batches, and with them the figures, do not depend on who evaluates which shard
     or in what order (a batch's float arithmetic, e.g. its padding, is the same wherever it runs; the
@@ -445,7 +468,7 @@ ScoreTest = Callable[[Path, "Rankings"], EvalSums]
 -> the merged sums."""
 
 
-def score_in_process(cfg: JobConfig, teacher: ARTeacher, device: torch.device | str) -> ScoreTest:
+def score_in_process(cfg: JobConfig, teacher: Teacher, device: torch.device | str) -> ScoreTest:
     """The local `ScoreTest`: this process's student and teacher, shard after shard."""
     def score(student_dir: Path, test: Rankings) -> EvalSums:
         reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
@@ -468,7 +491,7 @@ class EvalReport:
     slate_size: int
     first_stage: dict[str, float]
     teacher: dict[str, float]
-    teacher_decoding: str  # "constrained" or "free": how the rankings were produced
+    teacher_decoding: str  # "constrained", "free" or "file": how the rankings were produced
     teacher_free: dict[str, float] | None  # free decoding, measured apart when the rankings were constrained
     student: StudentEval
     latency: dict[str, dict[str, float]]
@@ -483,7 +506,7 @@ class EvalReport:
                    calibration=sums.calibration.report() if sums.calibration is not None else None)
 
 
-def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: Rankings, device: torch.device,
+def evaluate_stage(cfg: JobConfig, teacher: Teacher, student_dir: Path, test: Rankings, device: torch.device,
                    score: ScoreTest | None = None) -> EvalReport:
     """The student against the first stage and the teacher on every test slate: the quality figures
     are sums over batches (`score`: in this process by default, or an actor pool), so no process
@@ -493,6 +516,8 @@ def evaluate_stage(cfg: JobConfig, teacher: ARTeacher, student_dir: Path, test: 
         raise RuntimeError(f"evaluation: {sums.slates} slates evaluated of the {test.stats['slates']} test slates")
     reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
     timed = store.head(test.directory, cfg.eval.latency_requests)
+    if isinstance(teacher, FileTeacher):  # nothing generates: the AR teacher's latency is not measured here
+        return EvalReport.of(sums, latency_profile(reranker, None, timed, cfg.eval), "file")
     return EvalReport.of(sums, latency_profile(reranker, teacher, timed, cfg.eval),
                          "constrained" if teacher.cfg.constrained else "free")
 
@@ -513,16 +538,24 @@ def calibration_on(reranker: Reranker, slates: Sequence[RerankRequest],
 
 def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:
     s, t, lat = report.student.decoders[main_decoder], report.teacher, report.latency
-    ar, pre, single = (lat[k]["p50_ms"] for k in ("ar_teacher", "bare_prefill", "single_pass"))
+    pre, single = lat["bare_prefill"]["p50_ms"], lat["single_pass"]["p50_ms"]
+    if "ar_teacher" in lat:
+        ar = lat["ar_teacher"]["p50_ms"]
+        speed = (f"AR teacher {ar:.1f} ms | bare prefill {pre:.1f} ms | single pass {single:.1f} ms  -> AR/single "
+                 f"{ar / single:.1f}x (bound AR/prefill {ar / pre:.1f}x)")
+    else:
+        speed = f"bare prefill {pre:.1f} ms | single pass {single:.1f} ms (the teacher's rankings came from a file: not timed)"
+    validity = (f"validity  teacher {t['validity']:.3f} (its file's answers, as parsed) | student {s['validity']:.3f}"
+                if report.teacher_decoding == "file" else
+                f"validity  teacher {(report.teacher_free or t)['validity']:.3f} (free decoding, before repair; "
+                f"{report.teacher_decoding} decoding gives the rankings) | student {s['validity']:.3f}")
     return [
         f"nDCG@10 over {report.test_slates} test queries: first stage {report.first_stage['nDCG@10']:.4f} | "
         f"teacher {t['nDCG@10']:.4f} | student ({main_decoder}) {s['nDCG@10']:.4f}",
         f"student vs teacher: Kendall tau {s['kendall_tau']:.3f}, top-1 agreement {s['top1_agreement']:.3f} | "
         f"teacher vs first stage: {t['same_as_input']:.1%} of answers identical, Kendall tau {t['tau_to_input']:.3f}",
-        f"validity  teacher {(report.teacher_free or t)['validity']:.3f} (free decoding, before repair; "
-        f"{report.teacher_decoding} decoding gives the rankings) | student {s['validity']:.3f}",
-        f"latency p50 @ N={report.slate_size}, batch 1: AR teacher {ar:.1f} ms | bare prefill {pre:.1f} ms | "
-        f"single pass {single:.1f} ms  -> AR/single {ar / single:.1f}x (bound AR/prefill {ar / pre:.1f}x), "
+        validity,
+        f"latency p50 @ N={report.slate_size}, batch 1: {speed}, "
         f"single/prefill {lat['single_pass']['over_prefill']:.3f} (median of per-request ratios)",
         "decoders: " + ", ".join(f"{k} {v['nDCG@10']:.4f}" for k, v in report.student.decoders.items())
         + f" | rank-1 energy {report.student.matrix['rank1_energy_mean']:.3f}",
