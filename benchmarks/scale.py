@@ -163,8 +163,9 @@ def main() -> None:
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     table += [f"| {r['size']:,} | {r['collection_mb']:,.0f} MB | {r['seconds']:.1f} s | {r['slates_per_s']:,.1f} | "
               f"{r['driver_peak_mb']:,.0f} MB | {r['object_store_peak_mb']:,.0f} MB | {r['rows_read']['run']:,} |" for r in rows]
-    lines = [f"`python benchmarks/scale.py --sizes {' '.join(map(str, args.sizes))}` on this machine, a local Ray of "
-             f"{args.cpus} logical CPUs; N = 20 of each query's top 100; one run.", "", *table, ""]
+    lines = [f"`python benchmarks/scale.py --sizes {' '.join(map(str, args.sizes))} --teacher-sizes "
+             f"{' '.join(map(str, args.teacher_sizes))}{'' if args.distill else ' --no-distill'}` on this machine, a local "
+             f"Ray of {args.cpus} logical CPUs; N = 20 of each query's top 100; every figure from this one run.", "", *table, ""]
     lines += [f"driver peak MB at 1e{len(str(r['size'])) - 1}: {r['driver_peak_mb']}" for r in rows]
     lines += [f"data slates/s at 1e{len(str(r['size'])) - 1}: {r['slates_per_s']}" for r in rows]
     if teacher:

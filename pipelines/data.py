@@ -236,9 +236,10 @@ def _count_rows(folder: Path) -> int:
     return sum(pq.ParquetFile(f).metadata.num_rows for f in folder.glob("*.parquet")) if folder.is_dir() else 0
 
 
-def main(argv: list[str] | None = None) -> SlateShards:
-    cfg, _ = parse_job("The data stage: slates from a collection, streamed by Ray Data", argv)
-    with mlflow_run(cfg, "data"):
+def run_logged(cfg: PipelineConfig, parent_run_id: str | None = None) -> SlateShards:
+    """`run` as an MLflow run of its own: throughput, the driver's peak, slates, rows read and bad input
+    per reason as metrics, an example of each reason as a tag."""
+    with mlflow_run(cfg, "data", parent_run_id):
         result = run(cfg)
         s = result.stats
         log_metrics({k: s[k] for k in ("seconds", "slates_per_s", "driver_peak_mb", "slates", "rows_read", "bad")},
@@ -247,6 +248,13 @@ def main(argv: list[str] | None = None) -> SlateShards:
             import mlflow
 
             mlflow.set_tag("data.bad_examples", json.dumps(s["bad_examples"])[:5000])
+    return result
+
+
+def main(argv: list[str] | None = None) -> SlateShards:
+    cfg, _ = parse_job("The data stage: slates from a collection, streamed by Ray Data", argv)
+    result = run_logged(cfg)
+    s = result.stats
     print(f"data: {result.directory} | slates {s['slates']} | {s['slates_per_s']} slates/s | bad input {s['bad'] or 'none'}")
     return result
 

@@ -116,9 +116,10 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
     return rank
 
 
-def split_sources(cfg: PipelineConfig) -> dict[str, store.SplitSlates]:
-    """The data stage (`pipelines/data.py`: Ray Data, reused when done) -> each split's slate shards."""
-    shards = data_stage.run(cfg)
+def split_sources(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, store.SplitSlates]:
+    """The data stage (`pipelines/data.py`: Ray Data, reused when done; its MLflow run under `parent_run_id`)
+    -> each split's slate shards."""
+    shards = data_stage.run_logged(cfg, parent_run_id)
     return {name: store.SplitSlates(name, shards.stats["slates"][name], shards.stats["id_sums"][name],
                                     folder=shards.split_dir(name)) for name in SPLITS}
 
@@ -147,7 +148,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None, splits: tuple[str
     and val splits: it fine-tunes on them)."""
     from hllm.model.backbones import resolve_device
 
-    sources = split_sources(cfg)
+    sources = split_sources(cfg, parent_run_id)
     held = (lambda name: sources[name].load()) if cfg.teacher.bootstrap else (lambda name: [])
     teacher_model = bootstrap_teacher_stage(cfg, held("train"), held("val"), resolve_device(cfg.device))
     with mlflow_run(cfg, "teacher_generation", parent_run_id, teacher=str(teacher_model.path or teacher_model.preset)):

@@ -50,7 +50,10 @@ def test_generation_fans_out_and_writes_one_row_per_slate(ray_local, tmp_path):
     # MLflow holds the run with its counts and throughput
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = mlflow.search_runs(experiment_names=["hllm"], output_format="list")
+    runs = {r.data.tags["hllm.stage"]: r for r in mlflow.search_runs(experiment_names=["hllm"], output_format="list")}
+    assert set(runs) == {"data", "teacher_generation"}  # the data stage's run too: throughput, peak, bad input
+    assert runs["data"].data.metrics["data.slates.train"] == 48 and runs["data"].data.metrics["data.slates_per_s"] > 0
+    run = runs["teacher_generation"]
     assert run.data.metrics["teacher_gen.train.counts.ok"] == 48 and "teacher_gen.train.slates_per_s" in run.data.metrics
     assert run.data.params["cluster.teacher_actors"] == "2"
 
@@ -104,6 +107,7 @@ def test_rankings_from_a_file_stream_through_the_actor_pool_into_the_store(ray_l
     assert len(store.shards(rankings["train"].directory)) == 6 and len(rankings["train"].stats["nodes"]) == 1
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
-    (run,) = mlflow.search_runs(experiment_names=["hllm"], output_format="list")
+    (run,) = mlflow.search_runs(experiment_names=["hllm"], output_format="list",
+                                filter_string="tags.`hllm.stage` = 'teacher_generation'")
     assert run.data.metrics["teacher_gen.file.queries"] == 50 and run.data.metrics["teacher_gen.file.other_queries"] == 1
     assert run.data.metrics["teacher_gen.file.uncovered"] == 3
