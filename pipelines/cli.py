@@ -87,9 +87,11 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     if qrels is None:
         return 0
     first_stage = {s.slate_id: [(c.docid, 0.0) for c in s.candidates] for s in slates}  # the input order
-    rows = {"first stage (input order)": evaluate(first_stage, read_qrels(qrels), args.rel, None, "the input", str(qrels)),
-            ("teacher" if args.teacher else "reranked"): evaluate_run(path, qrels, args.rel)}
-    _report(rows, args.json)
+    judged = read_qrels(qrels)
+    rel, why = _threshold(args.rel, judged)
+    rows = {"first stage (input order)": evaluate(first_stage, judged, rel, None, "the input", str(qrels)),
+            ("teacher" if args.teacher else "reranked"): evaluate_run(path, qrels, rel)}
+    _report(rows, args.json, why)
     return 0
 
 
@@ -107,13 +109,23 @@ def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
               f"threshold {threshold:.0%})", file=sys.stderr)
 
 
-def _report(rows: dict[str, dict], json_path: str | None) -> None:
+def _threshold(rel: int | None, qrels: dict[str, dict[str, int]]) -> tuple[int, str]:
+    """`--rel` as given, else read off the qrels' grade scale (`hllm.eval.runfile.relevance_threshold`)."""
+    from hllm.eval.runfile import relevance_threshold
+
+    if rel is not None:
+        return rel, "--rel"
+    threshold, why = relevance_threshold(qrels)
+    return threshold, f"from the {why}; --rel to change"
+
+
+def _report(rows: dict[str, dict], json_path: str | None, why: str = "--rel") -> None:
     from hllm.eval.runfile import atomic_write
 
     any_row = next(iter(rows.values()))
     print(_table(rows))
     print(f"(means over {any_row['queries']} judged queries; MRR@10 and R@100 count grade >= {any_row['rel']} as relevant"
-          + (f"; {any_row['unjudged']} run queries have no judgments" if any_row["unjudged"] else "") + ")")
+          f" ({why})" + (f"; {any_row['unjudged']} run queries have no judgments" if any_row["unjudged"] else "") + ")")
     if json_path:
         atomic_write(json_path, json.dumps(rows, indent=2) + "\n")
 
@@ -121,8 +133,11 @@ def _report(rows: dict[str, dict], json_path: str | None) -> None:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from hllm.eval.runfile import evaluate_run
 
-    rows = {run: evaluate_run(run, args.qrels, args.rel) for run in args.run}
-    _report(rows, args.json)
+    from hllm.data.readers import read_qrels
+
+    rel, why = _threshold(args.rel, read_qrels(args.qrels))
+    rows = {run: evaluate_run(run, args.qrels, rel) for run in args.run}
+    _report(rows, args.json, why)
     return 0
 
 
@@ -217,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--shard-size", type=int, default=64, help="queries per shard (the unit a re-run resumes from)")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    r.add_argument("--rel", type=int, default=2, help="MRR and recall count grade >= REL as relevant (TREC DL: 2)")
+    r.add_argument("--rel", type=int, help="MRR and recall count grade >= REL as relevant (default: from the qrels' "
+                   "grades: 2 on a 0-3 scale as TREC DL, 1 on binary qrels)")
     r.add_argument("--unknown-token-warning", type=float, default=0.1, metavar="SHARE",
                    help="warn when more of the shown tokens than this are unknown to the student's vocabulary (as Serve)")
     r.add_argument("--json", help="also write the metrics as JSON here")
@@ -233,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "over the run's judged queries, like trec_eval without -c.")
     e.add_argument("--run", required=True, action="append", help="a TREC run file (repeat to compare runs)")
     e.add_argument("--qrels", required=True, help="qrels: TREC (qid 0 docid grade) or BEIR TSV (query-id corpus-id score)")
-    e.add_argument("--rel", type=int, default=2, help="MRR and recall count grade >= REL as relevant (TREC DL: 2)")
+    e.add_argument("--rel", type=int, help="MRR and recall count grade >= REL as relevant (default: from the qrels' "
+                   "grades: 2 on a 0-3 scale as TREC DL, 1 on binary qrels)")
     e.add_argument("--json", help="also write the metrics as JSON here")
     e.set_defaults(func=cmd_evaluate)
 

@@ -226,6 +226,27 @@ def test_evaluate_refuses_ids_that_do_not_match_and_corrupt_runs(tmp_path, capsy
     assert "r.trec:1: rank/score not numeric" in capsys.readouterr().err
 
 
+def test_the_relevance_threshold_comes_from_the_qrels_grades(tmp_path, capsys):
+    """Binary qrels (ArguAna's) count grade 1; TREC DL's 0-3 count grade >= 2; a scale without a 0
+    (Cranfield's 1-4) counts every judgment; --rel overrides; the line says which and why."""
+    run = tmp_path / "r.trec"
+    run.write_text("a Q0 d1 1 3 t\na Q0 d2 2 2 t\na Q0 d3 3 1 t\n")
+
+    def mrr(qrels: str, *extra: str) -> tuple[float, str]:
+        (tmp_path / "q.tsv").write_text(qrels)
+        assert main(["evaluate", "--run", str(run), "--qrels", str(tmp_path / "q.tsv"), "--json", str(tmp_path / "m.json"),
+                     *extra]) == 0
+        return json.loads((tmp_path / "m.json").read_text())[str(run)]["MRR@10"], capsys.readouterr().out
+
+    value, printed = mrr("a 0 d2 1\n")  # binary: was 0.0000 under TREC DL's default of 2
+    assert value == 0.5 and "count grade >= 1 as relevant (from the qrels graded [1]: every positive grade counts" in printed
+    value, printed = mrr("a 0 d1 1\na 0 d2 0\na 0 d3 3\n")
+    assert value == pytest.approx(1 / 3) and "grade >= 2 as relevant (from the graded qrels (grades [0, 1, 3])" in printed
+    assert mrr("a 0 d1 4\na 0 d3 1\n")[0] == 1.0  # Cranfield-like 1-4: every judgment is some relevance
+    value, printed = mrr("a 0 d1 1\na 0 d2 0\na 0 d3 3\n", "--rel", "1")
+    assert value == 1.0 and "grade >= 1 as relevant (--rel)" in printed
+
+
 def test_config_show_documents_every_key(capsys):
     from hllm.config import describe
     from pipelines.common import PipelineConfig

@@ -126,6 +126,17 @@ class ShardedRun:
         return self.out
 
 
+def relevance_threshold(qrels: dict[str, dict[str, int]]) -> tuple[int, str]:
+    """The grade from which MRR and recall count a judged document as relevant, read off the qrels' scale
+    -> (threshold, why). A scale with a non-relevant grade 0 and grades of 2 or more (TREC DL's 0-3) ->
+    2, TREC DL's convention (1 is "related"); binary qrels, or a scale without a 0 (Cranfield's 1-4: every
+    judgment marks some relevance) -> 1."""
+    grades = sorted({int(g) for judged in qrels.values() for g in judged.values()})
+    if grades and min(grades) <= 0 and max(grades) >= 2:
+        return 2, f"graded qrels (grades {grades}): grade >= 2, as TREC DL counts relevance"
+    return 1, f"qrels graded {grades}: every positive grade counts"
+
+
 def run_measures(rel: int) -> dict[str, str]:
     """The job's canonical nDCG@10 / MRR@10 (`hllm.eval.metrics.ir_measure_names`) plus R@100."""
     names = ir_measure_names(rel, depths=(10,))
