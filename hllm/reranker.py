@@ -97,20 +97,43 @@ def resolve_model_uri(uri: str | Path) -> Path:
     return Path(plugins[scheme].load()(str(uri)))
 
 
+def token_batches(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Consecutive runs of prompt indices whose padded size (rows x the longest) stays within
+    `max_tokens` (None: one run of all); a prompt longer than `max_tokens` makes a run of its own."""
+    if max_tokens is None:
+        return [list(range(len(lengths)))] if len(lengths) else []
+    runs: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if runs and (len(runs[-1]) + 1) * max(longest, n) <= max_tokens:
+            runs[-1].append(i)
+            longest = max(longest, n)
+        else:
+            runs.append([i])
+            longest = n
+    return runs
+
+
 class Reranker:
     """A single-pass student for inference. Build it with `Reranker.load`, or wrap a trained
     `SinglePassRanker` (`Reranker(ranker)`) to evaluate it as it will be served."""
 
     def __init__(self, model: SinglePassRanker, decoder: str = "hungarian", batch_size: int = 32,
-                 window: int | None = None, stride: int | None = None, windowing: str = "sliding"):
+                 window: int | None = None, stride: int | None = None, windowing: str = "sliding",
+                 max_batch_tokens: int | None = None):
         """`window`: lists longer than this are ranked in windows of this many documents (None: every
-        list in one pass); `stride` (sliding; default window // 2); `windowing`: sliding or blocks."""
+        list in one pass); `stride` (sliding; default window // 2); `windowing`: sliding or blocks;
+        `max_batch_tokens`: a forward pass holds at most this many (padded) tokens, however many prompts
+        a caller hands over at once (memory grows with tokens, not prompts; a longer prompt goes alone)."""
         if decoder not in DECODERS:
             raise ValueError(f"unknown decoder {decoder!r}; known: {sorted(DECODERS)}")
         if windowing not in WINDOWINGS:
             raise ValueError(f"unknown windowing {windowing!r}; known: {sorted(WINDOWINGS)}")
         if window is not None and not (2 <= window and 1 <= (stride or window // 2) <= window):
             raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.max_batch_tokens = max_batch_tokens
         self.model, self.decoder, self.batch_size = model.eval(), decoder, batch_size
         self.window, self.stride, self.windowing = window, stride, windowing
         self.card: dict = {}  # what the model knows (`Reranker.load` reads the saved model card)
@@ -119,11 +142,11 @@ class Reranker:
     @classmethod
     def load(cls, path_or_uri: str | Path, *, device: str = "auto", dtype: str | None = None, merge_lora: bool = True,
              decoder: str = "hungarian", batch_size: int = 32, window: int | None = None, stride: int | None = None,
-             windowing: str = "sliding") -> "Reranker":
+             windowing: str = "sliding", max_batch_tokens: int | None = None) -> "Reranker":
         """`merge_lora` folds LoRA into the base weights: the same scores, no adapter matmuls."""
         path = resolve_model_uri(path_or_uri)
         model = SinglePassRanker.load(path, dtype=dtype, merge_lora=merge_lora)
-        reranker = cls(model.to(resolve_device(device)), decoder, batch_size, window, stride, windowing)
+        reranker = cls(model.to(resolve_device(device)), decoder, batch_size, window, stride, windowing, max_batch_tokens)
         reranker.card = read_model_card(path)
         reranker.calibrator = Calibrator.load(path)
         return reranker
@@ -158,12 +181,15 @@ class Reranker:
 
     @torch.inference_mode()
     def score_encoded(self, prompts: Sequence[EncodedPrompt]) -> list[np.ndarray]:
-        """One forward pass for all prompts -> per prompt its (n, min(K, n)) float32 score matrix."""
-        logits = self.model(**self.tensors(prompts)).float().cpu().numpy()  # (B, N, K)
+        """One forward pass for all prompts (several under `max_batch_tokens`) -> per prompt its
+        (n, min(K, n)) float32 score matrix."""
         out = []
-        for row, prompt in enumerate(prompts):
-            n = len(prompt.item_positions)
-            out.append(logits[row, :n, : min(n, logits.shape[2])])
+        for part in token_batches([len(p.input_ids) for p in prompts], self.max_batch_tokens):
+            chunk = [prompts[i] for i in part]
+            logits = self.model(**self.tensors(chunk)).float().cpu().numpy()  # (B, N, K)
+            for row, prompt in enumerate(chunk):
+                n = len(prompt.item_positions)
+                out.append(logits[row, :n, : min(n, logits.shape[2])])
         return out
 
     @torch.inference_mode()

@@ -69,8 +69,8 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     from hllm.recipes.collection import RerankSpec, rerank_collection
 
     spec = RerankSpec(model=args.model, teacher=args.teacher, window=args.window, stride=args.stride,
-                      windowing=args.windowing, batch_size=args.batch_size, device=args.device,
-                      threads=args.threads, tag=args.tag)
+                      windowing=args.windowing, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
+                      device=args.device, threads=args.threads, tag=args.tag)
     slates, qrels, settings = _load_slates(args)
     out = Path(args.out)
     map_shards = None
@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--windowing", choices=("sliding", "blocks"), default="sliding",
                    help="sliding: RankGPT windows back to front; blocks: rank blocks, then their best together")
     r.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
+    r.add_argument("--max-batch-tokens", type=int, help="and at most this many padded tokens per forward pass (bounds "
+                   "memory whatever the window count; default: no cap)")
     r.add_argument("--shard-size", type=int, default=64, help="queries per shard (the unit a re-run resumes from)")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--threads", type=int, help="torch threads (default: torch's)")

@@ -105,6 +105,9 @@ class AppArgs(BaseModel):
     window: int | None = None
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
+    # a forward pass holds at most this many padded tokens, however many requests a batch gathers or windows
+    # a long list has (memory grows with tokens: TEI's max-batch-tokens); None: no cap
+    max_batch_tokens: int | None = None
     # meta.warnings says so when more of a request's tokens than this are unknown to the model's vocabulary
     unknown_token_warning: float = UNKNOWN_TOKEN_WARNING
     # opt-in: every answered request is logged as Parquet under traffic_log.path (hllm.data.traffic), for `hllm refresh`
@@ -301,7 +304,8 @@ class RerankDeployment:
         from hllm import Reranker
 
         reranker = Reranker.load(uri, device=self.args.device, merge_lora=self.args.merge_lora, decoder=self.args.decoder,
-                                 window=self.args.window, stride=self.args.stride, windowing=self.args.windowing)
+                                 window=self.args.window, stride=self.args.stride, windowing=self.args.windowing,
+                                 max_batch_tokens=self.args.max_batch_tokens)
         return Served(reranker, model_id(uri), reranker.model_key)
 
     def _watch_alias(self) -> None:

@@ -92,11 +92,11 @@ def test_a_crashed_rerank_resumes_from_its_shards(student, tmp_path, monkeypatch
     calls = {"n": 0}
     real = collection.ShardRanker.__call__
 
-    def crash_on_third(self, slates):
+    def crash_on_third(self, slates, progress=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("killed")
-        return real(self, slates)
+        return real(self, slates, progress)
 
     monkeypatch.setattr(collection.ShardRanker, "__call__", crash_on_third)
     out = tmp_path / "run.trec"
@@ -114,7 +114,7 @@ def test_a_shard_folder_from_other_settings_is_refused(student, tmp_path, capsys
     data = _beir(tmp_path / "beir")
     out = tmp_path / "run.trec"
     args = ["rerank", "--model", str(student), "--data", str(data), "--out", str(out), "--shard-size", "1", "--quiet"]
-    monkeypatch.setattr(collection.ShardRanker, "__call__", lambda self, s: (_ for _ in ()).throw(RuntimeError("x")))
+    monkeypatch.setattr(collection.ShardRanker, "__call__", lambda self, s, progress=None: (_ for _ in ()).throw(RuntimeError("x")))
     with pytest.raises(RuntimeError):
         main(args + ["--window", "4"])
     monkeypatch.undo()
@@ -332,3 +332,16 @@ def test_rerank_warns_once_when_the_model_does_not_know_the_words(student, tmp_p
     assert err.count("warning:") == 1 and "unknown to this model's vocabulary" in err
     share = float(err.split("warning: ")[1].split("%")[0])
     assert 30 <= share <= 100
+
+
+def test_progress_moves_per_group_of_queries_not_per_shard(student, tmp_path):
+    """A shard of many queries used to show 0/N until the whole shard was done; now the bar moves per
+    `--batch-size` queries (their windows share forward passes), and the totals are the shard's."""
+    from hllm.data.readers import read_beir
+    from hllm.recipes.collection import RerankSpec, ShardRanker
+
+    slates = read_beir(_beir(tmp_path / "beir", queries=5), top_n=10)
+    told: list[int] = []
+    orders, stats = ShardRanker(RerankSpec(model=str(student), window=4, batch_size=2, max_batch_tokens=512))(slates, told.append)
+    assert told == [2, 2, 1] and stats["queries"] == 5 and stats["windows"] == 5 * ((10 - 4) // 2 + 1)
+    assert [sorted(o) for o in orders] == [list(range(10))] * 5

@@ -50,6 +50,24 @@ def test_batch_form_equals_one_query_at_a_time(saved):
         reranker.rank_batch(queries, docs[:2])
 
 
+def test_max_batch_tokens_bounds_each_forward_pass_not_the_scores(saved):
+    from hllm.reranker import token_batches
+
+    assert token_batches([100, 100, 100, 300, 50, 50], 300) == [[0, 1, 2], [3], [4, 5]]  # rows x the longest <= 300
+    assert token_batches([500, 10], 300) == [[0], [1]] and token_batches([7, 7], None) == [[0, 1]]
+    free, capped = Reranker.load(saved), Reranker.load(saved, max_batch_tokens=260)
+    prompts = [free.encode(q, d) for q, d in (("red boots", DOCS), ("shirt", DOCS[:2]), ("pack", DOCS[1:]), ("x", DOCS))]
+    assert all(100 < len(p.input_ids) < 130 for p in prompts)  # two fit in 260 padded tokens, three do not
+    passes = []  # (rows, padded tokens) of each forward pass
+    real = capped.tensors
+    capped.tensors = lambda chunk: passes.append((len(chunk), len(chunk) * max(len(p.input_ids) for p in chunk))) or real(chunk)
+    for a, b in zip(free.score_encoded(prompts), capped.score_encoded(prompts)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert [rows for rows, _ in passes] == [2, 2] and all(tokens <= 260 for _, tokens in passes)
+    with pytest.raises(ValueError, match="max_batch_tokens must be >= 1"):
+        Reranker.load(saved, max_batch_tokens=0)
+
+
 def test_merged_lora_ranks_like_the_adapter(saved):
     a = Reranker.load(saved, merge_lora=False).score_encoded
     b = Reranker.load(saved, merge_lora=True)

@@ -240,7 +240,8 @@ def test_long_lists_are_ranked_in_windows(app, student_dir):
     from serve.app import AppArgs, RerankDeployment
 
     windowed = RerankDeployment.options(name="Windowed", ray_actor_options={"num_cpus": 0.5})
-    serve.run(windowed.bind(AppArgs(model=str(student_dir), window=4, stride=2, max_documents=40).model_dump()),
+    serve.run(windowed.bind(AppArgs(model=str(student_dir), window=4, stride=2, max_documents=40,
+                                    max_batch_tokens=8).model_dump()),  # each forward pass a prompt: the same order
               name="windowed", route_prefix="/windowed")
     try:
         docs = [f"{d} {i}" for i in range(6) for d in DOCS]  # 30 documents, window 4

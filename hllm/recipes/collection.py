@@ -32,6 +32,7 @@ class RerankSpec:
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
     batch_size: int = 16  # prompts per forward pass
+    max_batch_tokens: int | None = None  # and at most this many padded tokens per forward pass (student; None: no cap)
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     tag: str = "hllm"  # the run file's last column
@@ -54,12 +55,29 @@ class ShardRanker:
         self.spec = spec
         if spec.model is not None:
             self.reranker = Reranker.load(spec.model, device=spec.device, batch_size=spec.batch_size,
-                                          stride=spec.stride, windowing=spec.windowing)
+                                          stride=spec.stride, windowing=spec.windowing,
+                                          max_batch_tokens=spec.max_batch_tokens)
             self.reranker.window = spec.window or self.reranker.default_window  # the default needs the loaded model
         else:
             self.teacher = load_job_teacher(spec)
 
-    def __call__(self, slates: Sequence[RerankRequest]) -> tuple[list[list[int]], dict[str, int]]:
+    def __call__(self, slates: Sequence[RerankRequest], progress: Callable[[int], None] | None = None
+                 ) -> tuple[list[list[int]], dict[str, int]]:
+        """A shard, `batch_size` queries at a time (their windows share forward passes); `progress(n)` is
+        told after each such group, so a long shard shows its queries done as they are."""
+        orders: list[list[int]] = []
+        totals: dict[str, int] = {}
+        step = max(1, self.spec.batch_size)
+        for start in range(0, len(slates), step):
+            part, stats = self._rank(slates[start:start + step])
+            orders += part
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0) + v
+            if progress is not None:
+                progress(len(part))
+        return orders, totals
+
+    def _rank(self, slates: Sequence[RerankRequest]) -> tuple[list[list[int]], dict[str, int]]:
         from hllm.model.prompts import document_text
 
         if self.spec.model is not None:
@@ -115,10 +133,9 @@ def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: st
             map_shards(spec, run, todo, bar.update)
         elif todo:
             ranker = ShardRanker(spec)
-            for shard in todo:
-                orders, stats = ranker(shard)
+            for shard in todo:  # the bar moves per group of queries, not per shard
+                orders, stats = ranker(shard, bar.update)
                 run.writer.write(shard, orders, spec.tag, stats)
-                bar.update(len(shard))
     totals = run.stats()
     run.finish()
     return run.out, {**totals, "shards": len(run.shards), "resumed_shards": resumed}
