@@ -212,15 +212,21 @@ def shard_rows(shard: str | Path | bytes) -> list[RankedSlate]:
     return from_rows(pq.read_table(source, schema=SCHEMA).to_pylist())
 
 
-def head(folder: str | Path, n: int = 1) -> list[RerankRequest]:
-    """The first `n` slates of a folder of Parquet files with a `slate` column (slate shards or a
-    rankings store), reading no more than it needs."""
-    out: list[RerankRequest] = []
+def slate_batches(folder: str | Path, size: int) -> Iterator[list[RerankRequest]]:
+    """The slates of a folder of Parquet files with a `slate` column (slate shards or a rankings store),
+    file by file in name order, at most `size` at a time, a batch read at a time."""
     for path in sorted(Path(folder).glob("*.parquet")):
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=n, columns=["slate"]):
-            out += slates_from_rows(batch.to_pylist())[: n - len(out)]
-            if len(out) >= n:
-                return out
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=size, columns=["slate"]):
+            yield slates_from_rows(batch.to_pylist())
+
+
+def head(folder: str | Path, n: int = 1) -> list[RerankRequest]:
+    """The first `n` slates of such a folder, reading no more than it needs."""
+    out: list[RerankRequest] = []
+    for batch in slate_batches(folder, n):
+        out += batch[: n - len(out)]
+        if len(out) >= n:
+            break
     return out
 
 
@@ -246,9 +252,7 @@ class SplitSlates:
             for start in range(0, len(self.slates), size):
                 yield self.slates[start: start + size]
             return
-        for path in sorted(Path(self.folder).glob("*.parquet")):
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=size, columns=["slate"]):
-                yield slates_from_rows(batch.to_pylist())
+        yield from slate_batches(self.folder, size)
 
     def load(self) -> list[RerankRequest]:
         """All of them in this process: for stages that need the split whole and small (a bootstrap)."""

@@ -20,8 +20,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from hllm.eval.metrics import (ir_measure_names, ir_metrics, ir_metrics_by_query, ir_metrics_per_query, kendall_tau,
-                               validity_rate)
+from hllm.eval.metrics import (agreement_values, input_order_values, ir_measure_names, ir_metrics, ir_metrics_by_query,
+                               ir_metrics_per_query, validity_rate)
 from hllm.model.decoding import DECODERS, is_permutation, rank1_energy
 from hllm.model.prompts import EncodedPrompt
 from hllm.records import ParseCounts, RerankRequest, TeacherRanking
@@ -119,9 +119,8 @@ class TeacherSums:
                  for q, r in zip(requests, rankings)]  # unparseable answers score with the input order
         add_quality(self.means, "", requests, perms, self.rel)
         self.unparsed += sum(r.permutation is None for r in rankings)
-        given = [list(map(int, r.permutation)) for r in rankings if r.permutation is not None]
-        self.means.add("same_as_input", [p == list(range(len(p))) for p in given])
-        self.means.add("tau_to_input", [kendall_tau(p, range(len(p))) for p in given])
+        same, taus = input_order_values([r.permutation for r in rankings])
+        self.means.add("same_as_input", same).add("tau_to_input", taus)
         return self
 
     def merge(self, other: "TeacherSums") -> "TeacherSums":
@@ -160,9 +159,8 @@ class StudentSums:
     cfg: EvalConfig
     means: Means = field(default_factory=Means)  # "decoder/metric" -> per-slate values
     decode_s: dict[str, float] = field(default_factory=dict)  # decoder -> seconds over every matrix
-    matrices: int = 0
     per_query: dict[str, dict[str, float]] = field(default_factory=dict)  # decoder -> slate id -> nDCG@10
-    energy: list[float] = field(default_factory=list)
+    energy: list[float] = field(default_factory=list)  # rank-1 energy per matrix (its 10th percentile)
 
     def add(self, requests: Sequence[RerankRequest], matrices: Sequence[np.ndarray],
             teacher_perms: Sequence[list[int] | None]) -> "StudentSums":
@@ -175,16 +173,15 @@ class StudentSums:
             add_quality(self.means, f"{name}/", requests, perms, self.cfg.binary_rel)
             by_qid = ir_metrics_per_query(requests, perms)
             self.per_query.setdefault(name, {}).update({r.slate_id: by_qid.get(r.slate_id, float("nan")) for r in requests})
-            pairs = [(p, t) for p, t in zip(perms, teacher_perms) if t is not None]
-            self.means.add(f"{name}/kendall_tau", [kendall_tau(p, t) for p, t in pairs])
-            self.means.add(f"{name}/top1_agreement", [int(p[0]) == int(t[0]) for p, t in pairs])
+            taus, top1 = agreement_values(perms, teacher_perms)
+            self.means.add(f"{name}/kendall_tau", taus).add(f"{name}/top1_agreement", top1)
             self.means.add(f"{name}/validity", [validity_rate([p], [len(r.candidates)]) for p, r in zip(perms, requests)])
             self.means.add(f"{name}/repaired", [d.repaired for d in decoded])
         main = perms_by[self.cfg.main_decoder]
         for name, perms in perms_by.items():
             self.means.add(f"{name}/same_as_main", [p == q for p, q in zip(perms, main)])
         self.energy += [rank1_energy(m) for m in matrices]
-        self.matrices += len(matrices)
+        self.means.add("rank1_energy", self.energy[len(self.energy) - len(matrices):])
         return self
 
     def merge(self, other: "StudentSums") -> "StudentSums":
@@ -194,24 +191,22 @@ class StudentSums:
         for name, by_id in other.per_query.items():
             self.per_query.setdefault(name, {}).update(by_id)
         self.energy += other.energy
-        self.matrices += other.matrices
         return self
 
     def report(self) -> StudentEval:
-        decoders = {}
+        decoders, matrices = {}, len(self.energy)
         for name in self.cfg.decoders:
             m = lambda metric: self.means.mean(f"{name}/{metric}")  # noqa: E731
             pairs = self.means.count(f"{name}/kendall_tau")
             decoders[name] = {
                 **quality_of(self.means, f"{name}/", self.cfg.binary_rel),
                 "kendall_tau": m("kendall_tau"), "top1_agreement": m("top1_agreement"), "pairs": pairs,
-                "validity": m("validity") if self.matrices else 0.0, "repaired": m("repaired"),
-                "decode_ms": 1000 * self.decode_s.get(name, 0.0) / max(self.matrices, 1),
+                "validity": m("validity") if matrices else 0.0, "repaired": m("repaired"),
+                "decode_ms": 1000 * self.decode_s.get(name, 0.0) / max(matrices, 1),
                 "same_as_main": m("same_as_main"),
             }
-        energy = sorted(self.energy)  # the percentile of a sorted list: the same whatever the batches' order
-        matrix = {"rank1_energy_mean": float(sum(Fraction(e) for e in energy) / max(len(energy), 1)) if energy else float("nan"),
-                  "rank1_energy_p10": float(np.percentile(energy, 10)) if energy else float("nan")}
+        matrix = {"rank1_energy_mean": self.means.mean("rank1_energy"),  # a sorted list: the same whatever the order
+                  "rank1_energy_p10": float(np.percentile(sorted(self.energy), 10)) if matrices else float("nan")}
         per_query = {name: [by_id[k] for k in sorted(by_id)] for name, by_id in self.per_query.items()}
         return StudentEval(decoders, matrix, per_query)
 

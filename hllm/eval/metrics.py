@@ -80,30 +80,35 @@ def kendall_tau(perm: Sequence[int], reference: Sequence[int]) -> float:
     return float(kendalltau(pos_a, pos_b).statistic)
 
 
+def agreement_values(perms: Sequence[Sequence[int] | None], references: Sequence[Sequence[int] | None]
+                     ) -> tuple[list[float], list[bool]]:
+    """Per pair where both rankings exist: Kendall tau, and whether the top-1 agrees."""
+    pairs = [(p, r) for p, r in zip(perms, references) if p is not None and r is not None]
+    return [kendall_tau(p, r) for p, r in pairs], [int(p[0]) == int(r[0]) for p, r in pairs]
+
+
 def agreement(perms: Sequence[Sequence[int] | None], references: Sequence[Sequence[int] | None]) -> dict[str, float]:
     """Mean Kendall tau and top-1 agreement over the pairs where both rankings exist."""
-    pairs = [(p, r) for p, r in zip(perms, references) if p is not None and r is not None]
-    if not pairs:
+    taus, top1 = agreement_values(perms, references)
+    if not taus:
         return {"kendall_tau": float("nan"), "top1_agreement": float("nan"), "pairs": 0}
-    return {
-        "kendall_tau": float(np.mean([kendall_tau(p, r) for p, r in pairs])),
-        "top1_agreement": float(np.mean([int(p[0]) == int(r[0]) for p, r in pairs])),
-        "pairs": len(pairs),
-    }
+    return {"kendall_tau": float(np.mean(taus)), "top1_agreement": float(np.mean(top1)), "pairs": len(taus)}
+
+
+def input_order_values(perms: Sequence[Sequence[int] | None]) -> tuple[list[bool], list[float]]:
+    """Per ranking that exists: whether it is the input (first-stage) order, and its Kendall tau to it."""
+    given = [list(map(int, p)) for p in perms if p is not None]
+    return [p == list(range(len(p))) for p in given], [kendall_tau(p, range(len(p))) for p in given]
 
 
 def input_order_agreement(perms: Sequence[Sequence[int] | None]) -> dict[str, float]:
     """How much rankings merely repeat the order they were given (the first stage's): the share
     identical to it and the mean Kendall tau to it, over the rankings that exist. A teacher that
     copies its input teaches the student nothing the first stage did not know."""
-    given = [list(map(int, p)) for p in perms if p is not None]
-    if not given:
+    same, taus = input_order_values(perms)
+    if not same:
         return {"same_as_input": float("nan"), "tau_to_input": float("nan"), "rankings": 0}
-    return {
-        "same_as_input": float(np.mean([p == list(range(len(p))) for p in given])),
-        "tau_to_input": float(np.mean([kendall_tau(p, range(len(p))) for p in given])),
-        "rankings": len(given),
-    }
+    return {"same_as_input": float(np.mean(same)), "tau_to_input": float(np.mean(taus)), "rankings": len(same)}
 
 
 def validity_rate(perms: Sequence[Sequence[int] | None], sizes: Sequence[int]) -> float:

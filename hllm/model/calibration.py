@@ -169,11 +169,6 @@ class ReliabilitySums:
                 "fraction_relevant": positives / items if items else float("nan"), "rel": self.rel, "bins": self.rows()}
 
 
-def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> list[dict[str, float]]:
-    """Equal-width bins of predicted probability -> [{lo, hi, count, mean_predicted, fraction_relevant}]."""
-    return ReliabilitySums(bins).add(probs, labels).rows()
-
-
 def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> float:
     """ECE: the count-weighted mean |fraction relevant - mean predicted| over equal-width bins."""
     return ReliabilitySums(bins).add(probs, labels).ece()

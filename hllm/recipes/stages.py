@@ -29,7 +29,7 @@ from hllm.data.cache import fingerprint, mark_done, stage_done, stage_info
 from hllm.eval.evaluation import (EvalConfig, Means, StudentEval, StudentSums, TeacherSums, add_quality, first_stage_order,
                                   latency_profile, quality_of)
 from hllm.data.progress import Progress
-from hllm.eval.metrics import kendall_tau
+from hllm.eval.metrics import input_order_values
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_report, calibration_sums, fit_calibrator
 from hllm.recipes.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.model.backbones import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
@@ -156,16 +156,14 @@ atomically); -> figures of the run worth keeping (e.g. the workers' peak memory)
 def ranking_summary(items: Sequence[RankedSlate]) -> store.Summary:
     """A shard's additive summary for the store's footer: parse counts, tokens, latency, input-order
     agreement (sums, so any set of shards totals exactly), provenance."""
-    given = [list(map(int, i.ranking.permutation)) for i in items if i.ranking.permutation is not None]
+    same, taus = input_order_values([i.ranking.permutation for i in items])
     counts = ParseCounts()
     for i in items:
         counts.add(i.ranking.counts)
     nodes: dict[str, int] = {}
     for i in items:
         nodes[i.ranking.node or "local"] = nodes.get(i.ranking.node or "local", 0) + 1
-    return {"counts": dataclasses.asdict(counts), "ranked": len(given),
-            "same_as_input": sum(p == list(range(len(p))) for p in given),
-            "tau_to_input_sum": sum(kendall_tau(p, range(len(p))) for p in given),
+    return {"counts": dataclasses.asdict(counts), "ranked": len(same), "same_as_input": sum(same), "tau_to_input_sum": sum(taus),
             "prompt_tokens": sum(i.ranking.prompt_tokens for i in items),
             "output_tokens": sum(i.ranking.output_tokens for i in items),
             "latency_s": sum(i.ranking.latency_s for i in items), "nodes": nodes}
@@ -173,17 +171,10 @@ def ranking_summary(items: Sequence[RankedSlate]) -> store.Summary:
 
 def rank_and_write(teacher: Teacher, slates: list[RerankRequest], directory: Path, node: str = "") -> list[RankedSlate]:
     """One shard: the teacher ranks `slates`, the rows go to `directory` atomically, its summary in the footer
-    (for a file's rankings, with how they fit the slates: `hllm.teacher.external.Coverage`)."""
-    coverage = None
-    if isinstance(teacher, FileTeacher):
-        rankings, coverage = teacher.rank_covered(slates)
-    else:
-        rankings = teacher.rank(slates)
+    with what the teacher adds (a file's: how it fit the slates, `hllm.teacher.external.Coverage`)."""
+    rankings, extra = teacher.rank_summarized(slates)
     items = [RankedSlate(s, dataclasses.replace(r, node=node)) for s, r in zip(slates, rankings)]
-    summary = ranking_summary(items)
-    if coverage is not None:
-        summary["coverage"] = coverage.counts()
-    store.write_shard(items, directory, summary)
+    store.write_shard(items, directory, {**ranking_summary(items), **extra})
     return items
 
 
@@ -439,7 +430,7 @@ def eval_batch_sums(reranker: Reranker, teacher: Teacher, items: Sequence[Ranked
     first_stage = Means()
     add_quality(first_stage, "", slates, first_stage_order(slates), rel)
     free = None
-    if isinstance(teacher, ARTeacher) and teacher.cfg.constrained:
+    if teacher.decoding == "constrained":
         free = TeacherSums(rel).add(slates, teacher.with_config(constrained=False).rank(slates))
     calibration = None
     if reranker.calibrator is not None:
@@ -464,23 +455,20 @@ def shard_sums(reranker: Reranker, teacher: Teacher, items: Sequence[RankedSlate
 
 
 ScoreTest = Callable[[Path, "Rankings"], EvalSums]
-"""Evaluates the student folder (and the teacher) on every shard of the test rankings (`shard_sums`);
--> the merged sums."""
+"""Evaluates the student folder (and the teacher) on every shard of the test rankings (`shard_sums`)
+elsewhere (e.g. an actor pool); -> the merged sums."""
 
 
-def score_in_process(cfg: JobConfig, teacher: Teacher, device: torch.device | str) -> ScoreTest:
-    """The local `ScoreTest`: this process's student and teacher, shard after shard."""
-    def score(student_dir: Path, test: Rankings) -> EvalSums:
-        reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
-        progress, total = Progress("evaluation", test.stats["slates"], log), None
-        for path in store.shards(test.directory):
-            sums = shard_sums(reranker, teacher, store.shard_rows(path), cfg.eval)
-            total = sums if total is None else total.merge(sums)
-            progress.update(sums.slates)
-        if total is None:
-            raise ValueError(f"evaluation: no test slates in {test.directory}")
-        return total
-    return score
+def sums_in_process(reranker: Reranker, teacher: Teacher, test: Rankings, cfg: EvalConfig) -> EvalSums:
+    """Every shard of the test rankings in this process, shard after shard."""
+    progress, total = Progress("evaluation", test.stats["slates"], log), None
+    for path in store.shards(test.directory):
+        sums = shard_sums(reranker, teacher, store.shard_rows(path), cfg)
+        total = sums if total is None else total.merge(sums)
+        progress.update(sums.slates)
+    if total is None:
+        raise ValueError(f"evaluation: no test slates in {test.directory}")
+    return total
 
 
 @dataclass
@@ -511,15 +499,13 @@ def evaluate_stage(cfg: JobConfig, teacher: Teacher, student_dir: Path, test: Ra
     """The student against the first stage and the teacher on every test slate: the quality figures
     are sums over batches (`score`: in this process by default, or an actor pool), so no process
     holds the split; the latency profile times the first `eval.latency_requests` slates here."""
-    sums = (score or score_in_process(cfg, teacher, device))(student_dir, test)
+    reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
+    sums = score(student_dir, test) if score is not None else sums_in_process(reranker, teacher, test, cfg.eval)
     if sums.slates != test.stats["slates"]:
         raise RuntimeError(f"evaluation: {sums.slates} slates evaluated of the {test.stats['slates']} test slates")
-    reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
     timed = store.head(test.directory, cfg.eval.latency_requests)
-    if isinstance(teacher, FileTeacher):  # nothing generates: the AR teacher's latency is not measured here
-        return EvalReport.of(sums, latency_profile(reranker, None, timed, cfg.eval), "file")
-    return EvalReport.of(sums, latency_profile(reranker, teacher, timed, cfg.eval),
-                         "constrained" if teacher.cfg.constrained else "free")
+    generates = teacher.decoding != "file"  # a file's rankings: no AR teacher to time
+    return EvalReport.of(sums, latency_profile(reranker, teacher if generates else None, timed, cfg.eval), teacher.decoding)
 
 
 def _scored(reranker: Reranker, slates: Sequence[RerankRequest], matrices: list[np.ndarray]):

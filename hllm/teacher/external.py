@@ -171,7 +171,10 @@ FORMATS = ("run", "rank_llm", "responses")  # see the module docstring
 
 class FileTeacher:
     """A teacher whose rankings were written beforehand: a file in one of `FORMATS`, read once (when first
-    asked), looked up per slate — by query id (`run`, `rank_llm`) or by query text (`responses`)."""
+    asked), looked up per slate — by query id (`run`, `rank_llm`) or by query text (`responses`). It
+    answers what the stages ask of an `ARTeacher` (`rank`, `rank_summarized`, `decoding`); nothing generates."""
+
+    decoding = "file"
 
     def __init__(self, fmt: str, path: str | Path):
         if fmt not in FORMATS:
@@ -199,6 +202,11 @@ class FileTeacher:
 
     def rank(self, slates: Sequence[RerankRequest]) -> list[TeacherRanking]:
         return self.rank_covered(slates)[0]
+
+    def rank_summarized(self, slates: Sequence[RerankRequest]) -> tuple[list[TeacherRanking], dict]:
+        """`rank`, and how the file fit these slates (`Coverage` counts) for the store's shard footer."""
+        rankings, cov = self.rank_covered(slates)
+        return rankings, {"coverage": cov.counts()}
 
     def rank_covered(self, slates: Sequence[RerankRequest]) -> tuple[list[TeacherRanking], Coverage]:
         """The file's rankings of `slates` (in their order) and how they fit (see the module docstring)."""

@@ -99,6 +99,15 @@ class ARTeacher:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def decoding(self) -> str:
+        """How its rankings are produced: "constrained" (the answer grammar) or "free"."""
+        return "constrained" if self.cfg.constrained else "free"
+
+    def rank_summarized(self, requests: list[RerankRequest]) -> tuple[list[TeacherRanking], dict]:
+        """`rank`, and figures for the rankings store's shard footer beyond the rankings' own (none here)."""
+        return self.rank(requests), {}
+
     def with_config(self, **changes) -> "ARTeacher":
         """The same model under other generation settings (e.g. free vs constrained)."""
         return ARTeacher(self.model, self.tokenizer, self.prompts.cfg, self.prompts.context_length,
