@@ -10,10 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_gpu_latency_benchmark_runs_at_a_tiny_size(tmp_path):
+@pytest.mark.parametrize("student", [[], ["--state-layer", "1", "--pooling", "last+mean", "--head", "utility"]],
+                         ids=["paper-head", "cut-real-text-student"])
+def test_gpu_latency_benchmark_runs_at_a_tiny_size(tmp_path, student):
     out = tmp_path / "gpu_latency.md"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_latency.py"), "--tiny", "--device", "cpu",
-                           "--dtype", "float32", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--dtype", "float32", "--out", str(out), *student], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 4  # N in {4, 8} x batch in {1, 2}
