@@ -129,3 +129,20 @@ def test_collate_refuses_a_prompt_without_its_item_spans(tiny_backbone, small_sp
     enc = PromptBuilder(tok, PromptConfig(), 512).encode(small_splits["test"][0], with_answer=False)
     with pytest.raises(ValueError, match="item spans"):
         collate([dataclasses.replace(enc, item_spans=[])], tok.pad_token_id)
+
+
+@pytest.mark.parametrize("pooling", sorted(POOLINGS))
+def test_one_prefill_reads_every_layer_of_a_sweep_as_rankers_cut_there_read_it(tmp_path, small_splits, pooling):
+    from hllm.train.state_cache import cached_layer_states, cached_states, compute_states
+    slates = small_splits["test"][:3]
+    deep = build(pooling, layer=2)
+    sweep = cached_layer_states(deep, slates, {1: tmp_path / "l1", 2: tmp_path / "l2"}, shard_slates=2)
+    for layer in (1, 2):
+        alone = compute_states(build(pooling, layer=layer), slates, batch_size=2)
+        for got, want in zip(sweep[layer], alone):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # each folder is the cut ranker's own cache: read back there without a prefill, and refused for another layer
+    assert all(torch.equal(a, b) for a, b in zip(cached_states(build(pooling, layer=1), slates, tmp_path / "l1", shard_slates=2), sweep[1]))
+    from hllm.train.state_cache import StaleStates
+    with pytest.raises(StaleStates):
+        cached_states(build(pooling, layer=1), slates, tmp_path / "l2", shard_slates=2)

@@ -19,10 +19,12 @@ Other architectures take the full prefill.
 `pooled_item_states` reads each candidate otherwise (`POOLINGS`): the mean of its own tokens' states
 (`mean`), or that beside the last token's (`last+mean`, 2D wide). A mean needs the last layer at every
 passage token, so that path runs the whole body: the last layer over all T tokens instead of N.
+`pooled_layer_states` reads several layers from one pass (the cached states of a layer sweep).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -113,19 +115,24 @@ def span_means(h: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     return weights @ h  # (B, N, D)
 
 
-def _last_layer_output(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) -> (B, T, D) the last decoder layer's output at every token, before the final norm."""
-    out: dict[str, torch.Tensor] = {}
+def _layer_outputs(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """(B, T) -> {L: (B, T, D)} the output of decoder layer L (1-based) at every token, before the
+    final norm, for each L in `layers`: one forward pass of the body."""
+    out: dict[int, torch.Tensor] = {}
 
-    def keep(module, args, output):
-        out["h"] = output[0] if isinstance(output, tuple) else output
+    def keeper(layer: int):
+        def keep(module, args, output):
+            out[layer] = output[0] if isinstance(output, tuple) else output
+        return keep
 
-    handle = body.layers[-1].register_forward_hook(keep)
+    handles = [body.layers[layer - 1].register_forward_hook(keeper(layer)) for layer in layers]
     try:
         body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
-        handle.remove()
-    return out["h"]
+        for handle in handles:
+            handle.remove()
+    return out
 
 
 def pooled_item_states(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
@@ -136,10 +143,28 @@ def pooled_item_states(body: nn.Module, input_ids: torch.Tensor, attention_mask:
         raise ValueError(f"unknown pooling {pooling!r}; one of {sorted(POOLINGS)}")
     if pooling == "last":
         return item_hidden_states(body, input_ids, attention_mask, item_positions)
-    if item_spans is None:
+    return pooled_layer_states(body, input_ids, attention_mask, item_positions, item_spans, pooling, [len(body.layers)])[len(body.layers)]
+
+
+def pooled_layer_states(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
+                        item_spans: torch.Tensor | None, pooling: Pooling, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """The same as `pooled_item_states` of the body cut after each layer L in `layers`, from one forward
+    pass: {L: (B, N, P * D)}, every layer's states through the body's final norm (as a body cut at L
+    reads them). The last layer runs over all T tokens here, so `last` agrees with the items-only path
+    up to float rounding."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; one of {sorted(POOLINGS)}")
+    if not layers or min(layers) < 1 or max(layers) > len(body.layers):
+        raise ValueError(f"layers {list(layers)} must lie in 1..{len(body.layers)} (the body's decoder layers)")
+    if "mean" in POOLINGS[pooling] and item_spans is None:
         raise ValueError(f"pooling {pooling!r} needs item_spans (hllm.model.prompts.collate makes them)")
-    read = int(torch.maximum(item_positions.max(), item_spans[..., 1].max() - 1)) + 1  # causal: nothing later matters
-    h = _last_layer_output(body, input_ids[:, :read], attention_mask[:, :read])  # (B, T', D)
-    rows = torch.arange(len(h), device=h.device)[:, None]  # (B, 1)
-    parts = {"last": h[rows, item_positions], "mean": span_means(h, item_spans)}  # (B, N, D) each
-    return torch.cat([body.norm(parts[p]) for p in POOLINGS[pooling]], dim=-1)  # (B, N, P * D)
+    last_read = item_positions.max() if item_spans is None else torch.maximum(item_positions.max(), item_spans[..., 1].max() - 1)
+    read = int(last_read) + 1  # causal: nothing later matters
+    outputs = _layer_outputs(body, input_ids[:, :read], attention_mask[:, :read], layers)  # {L: (B, T', D)}
+    rows = torch.arange(len(input_ids), device=input_ids.device)[:, None]  # (B, 1)
+
+    def part(h: torch.Tensor, name: str) -> torch.Tensor:  # (B, T', D) -> (B, N, D)
+        return h[rows, item_positions] if name == "last" else span_means(h, item_spans)
+
+    return {layer: torch.cat([body.norm(part(h, p)) for p in POOLINGS[pooling]], dim=-1)  # (B, N, P * D)
+            for layer, h in outputs.items()}

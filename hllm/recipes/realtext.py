@@ -44,7 +44,7 @@ from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import RerankRequest
-from hllm.train.head_fit import StateSlate, fit_head, ridge_utility, set_utility, state_orders
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_head, state_orders
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_states, states_key
 
@@ -176,59 +176,26 @@ def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextC
 
 
 def _cross_validated(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfig, seed: int) -> dict[str, Any]:
-    curves = []  # per fold: {step: held-out nDCG@10}
     t0 = time.perf_counter()
-    train_cfg = dataclasses.replace(cfg.train, seed=seed)
-    for train, held in _folds(items, cfg.cv_folds):
-        fresh_head(ranker, seed)
-        out = fit_head(ranker, train, held, train_cfg, cfg.loss, cfg.rel, unjudged=cfg.unjudged_grade,
-                       sample_items=cfg.sample_items)
-        curves.append({0: out["val_at_start"], **{r["step"]: r["val_nDCG@10"] for r in out["history"] if "val_nDCG@10" in r}})
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    mean = {s: statistics.fmean(c[s] for c in curves) for s in steps}
-    best = max(steps, key=lambda s: (round(mean[s], 6), -s))  # a tie goes to the earlier step
-    fresh_head(ranker, seed)
-    fit_head(ranker, items, [], train_cfg, cfg.loss, cfg.rel, unjudged=cfg.unjudged_grade,
-             sample_items=cfg.sample_items, stop_at=best)
+    out = cv_sgd(ranker, items, items, cfg.cv_folds, dataclasses.replace(cfg.train, seed=seed), cfg.loss, cfg.rel,
+                 lambda: fresh_head(ranker, seed), cfg.unjudged_grade, cfg.sample_items)
     log.info("    %d-fold CV over %d queries: step %d kept (held-out nDCG@10 %.4f, %.4f untrained) in %.0fs",
-             cfg.cv_folds, len(items), best, mean[best], mean[0], time.perf_counter() - t0)
-    return {"train_queries": len(items), "val_queries": 0, "cv_folds": cfg.cv_folds, "best_step": best,
-            "val_nDCG@10": mean[best], "val_nDCG@10_at_start": mean[0], "cv_curve": mean,
+             cfg.cv_folds, len(items), out["best_step"], out["cv_score"], out["cv_first_stage"], time.perf_counter() - t0)
+    return {"train_queries": len(items), "val_queries": 0, "cv_folds": cfg.cv_folds, "best_step": out["best_step"],
+            "val_nDCG@10": out["cv_score"], "val_nDCG@10_at_start": out["cv_first_stage"], "cv_curve": out["cv_curve"],
             "seconds": time.perf_counter() - t0}
-
-
-def _folds(items: list[StateSlate], k: int) -> list[tuple[list[StateSlate], list[StateSlate]]]:
-    """k (train, held-out) splits of the queries by a hash of their id (empty folds left out)."""
-    fold_of = {i.slate.slate_id: min(int(query_bucket(i.slate.slate_id) * k), k - 1) for i in items}
-    folds = sorted(set(fold_of.values()))
-    if len(folds) < 2:
-        raise ValueError(f"cross-validation needs queries in at least 2 of its {k} folds; {len(items)} queries fill {len(folds)}")
-    return [([i for i in items if fold_of[i.slate.slate_id] != f], [i for i in items if fold_of[i.slate.slate_id] == f])
-            for f in folds]
 
 
 def _ridge(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfig) -> dict[str, Any]:
     """The closed-form probe: (L2 weight, prior scale) by k-fold CV, then fitted on every query."""
     t0 = time.perf_counter()
     fresh_head(ranker, 0)
-    grid: dict[tuple[float, float], list[float]] = {}
-    folds = _folds(items, cfg.cv_folds)
-    for train, held in folds:
-        for lam in cfg.ridge_lambdas:
-            w, b = ridge_utility(train, lam, cfg.unjudged_grade)
-            for scale in cfg.prior_scales:
-                set_utility(ranker, w, b, scale)
-                grid.setdefault((lam, scale), []).append(measure(ranker, held, cfg.rel)["nDCG@10"])
-    mean = {k: statistics.fmean(v) for k, v in grid.items()}
-    lam, scale = max(mean, key=lambda k: (round(mean[k], 6), k[0], k[1]))  # ties: more shrinkage, more prior
-    set_utility(ranker, *ridge_utility(items, lam, cfg.unjudged_grade), scale)
-    untrained = statistics.fmean(quality([i.slate for i in held], first_stage_order([i.slate for i in held]), cfg.rel)["nDCG@10"]
-                                 for _, held in folds)
+    out = cv_ridge(ranker, items, items, cfg.cv_folds, cfg.ridge_lambdas, cfg.prior_scales, cfg.rel, cfg.unjudged_grade)
     log.info("    ridge probe: L2 %g, prior scale %g kept by %d-fold CV over %d queries (held-out nDCG@10 %.4f, first stage %.4f)",
-             lam, scale, cfg.cv_folds, len(items), mean[lam, scale], untrained)
-    return {"train_queries": len(items), "val_queries": 0, "cv_folds": cfg.cv_folds, "best_step": 0, "ridge_lambda": lam,
-            "prior_scale": scale, "val_nDCG@10": mean[lam, scale], "val_nDCG@10_at_start": untrained,
-            "cv_grid": {f"{k[0]:g}/{k[1]:g}": v for k, v in mean.items()}, "seconds": time.perf_counter() - t0}
+             out["ridge_lambda"], out["prior_scale"], cfg.cv_folds, len(items), out["cv_score"], out["cv_first_stage"])
+    return {"train_queries": len(items), "val_queries": 0, "cv_folds": cfg.cv_folds, "best_step": 0,
+            "ridge_lambda": out["ridge_lambda"], "prior_scale": out["prior_scale"], "val_nDCG@10": out["cv_score"],
+            "val_nDCG@10_at_start": out["cv_first_stage"], "cv_grid": out["cv_grid"], "seconds": time.perf_counter() - t0}
 
 
 def measure(ranker: SinglePassRanker, items: list[StateSlate], rel: int) -> dict[str, float]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hllm.data.splits import query_bucket
 from hllm.eval.evaluation import quality
 from hllm.model.decoding import DECODERS
 from hllm.model.ranker import SinglePassRanker
@@ -38,6 +39,7 @@ class StateSlate:
     slate: RerankRequest
     states: torch.Tensor  # (N, D) float32, input order
     perm: list[int] | None = None  # 0-based, best first
+    utility: list[float] | None = None  # the ridge probe's target per item, input order (None: the grades)
 
     def grades(self, unjudged: int | None) -> list[int]:
         """Grades in input order; unjudged candidates as `unjudged` (None: -1, left out of graded losses)."""
@@ -58,7 +60,8 @@ def sub_slate(item: StateSlate, m: int, rng: random.Random) -> StateSlate:
     if item.perm is not None:
         where = {old: new for new, old in enumerate(keep)}
         perm = [where[i] for i in item.perm if i in where]
-    return StateSlate(slate, item.states[keep], perm)
+    utility = None if item.utility is None else [item.utility[i] for i in keep]
+    return StateSlate(slate, item.states[keep], perm, utility)
 
 
 def state_batch(items: Sequence[StateSlate], unjudged: int | None, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -157,11 +160,12 @@ def fit_head(ranker: SinglePassRanker, train: list[StateSlate], val: list[StateS
 
 
 def ridge_utility(items: Sequence[StateSlate], lam: float, unjudged: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The closed-form fit of a linear probe: ridge regression from each item's state to its grade
-    over every item of `items` (features standardised, L2 weight `lam`). -> (w (D,), b ()), the
-    standardisation folded in, for a `utility` head's linear map."""
+    """The closed-form fit of a linear probe: ridge regression from each item's state to its target
+    (`StateSlate.utility`, else its grade) over every item of `items` (features standardised, L2
+    weight `lam`). -> (w (D,), b ()), the standardisation folded in, for a `utility` head's linear map."""
     x = torch.cat([i.states for i in items]).double()  # (M, D)
-    y = torch.tensor([g for i in items for g in i.grades(unjudged)], dtype=torch.float64)  # (M,)
+    y = torch.tensor([g for i in items for g in (i.utility if i.utility is not None else i.grades(unjudged))],
+                     dtype=torch.float64)  # (M,)
     if (y < 0).any():
         raise ValueError("ridge_utility needs every item graded (set unjudged)")
     mu, sd = x.mean(0), x.std(0) + 1e-6  # (D,) each
@@ -183,3 +187,72 @@ def set_utility(ranker: SinglePassRanker, w: torch.Tensor, b: torch.Tensor, prio
     head.log_beta.fill_(math.log(prior_scale))
     head.gate.weight.zero_()
     head.gate.bias.zero_()
+
+
+# ---- choosing on the training queries: k-fold cross-validation by query ---------------------------
+def query_folds(n: int, ids: Sequence[str], k: int, salt: str = "") -> list[tuple[list[int], list[int]]]:
+    """k (train, held-out) splits of `n` items by a hash of their query id (`ids`, prefixed with `salt`:
+    folds nested in folds take another salt, or the inner ones would follow the outer), as index lists;
+    empty folds left out. The same split on every machine."""
+    fold_of = [min(int(query_bucket(salt + q) * k), k - 1) for q in ids]
+    folds = sorted(set(fold_of))
+    if len(folds) < 2:
+        raise ValueError(f"cross-validation needs queries in at least 2 of its {k} folds; {n} queries fill {len(folds)}")
+    return [([i for i in range(n) if fold_of[i] != f], [i for i in range(n) if fold_of[i] == f]) for f in folds]
+
+
+def _pick(items: Sequence[StateSlate], index: Sequence[int]) -> list[StateSlate]:
+    return [items[i] for i in index]
+
+
+def cv_ridge(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Sequence[StateSlate], k: int,
+             lambdas: Sequence[float], scales: Sequence[float], rel: int, unjudged: int = 0) -> dict:
+    """The closed-form probe under the logrank prior: (L2 weight, prior scale) by k-fold CV over the
+    queries of `items` (fitted on their targets), each held-out fold scored by nDCG@10 on `judge`
+    (the same queries, in the same order, graded as the choice should be judged: the qrels, or the
+    teacher's order); then fitted on every query and loaded into `ranker.head`.
+    -> {"ridge_lambda", "prior_scale", "cv_score", "cv_first_stage", "cv_grid"}."""
+    grid: dict[tuple[float, float], list[float]] = {}
+    folds = query_folds(len(items), [i.slate.slate_id for i in items], k)
+    for train, held in folds:
+        for lam in lambdas:
+            w, b = ridge_utility(_pick(items, train), lam, unjudged)
+            for scale in scales:
+                set_utility(ranker, w, b, scale)
+                grid.setdefault((lam, scale), []).append(judged_ndcg(ranker, _pick(judge, held), rel))
+    mean = {key: float(np.mean(v)) for key, v in grid.items()}
+    lam, scale = max(mean, key=lambda key: (round(mean[key], 6), key[0], key[1]))  # ties: more shrinkage, more prior
+    set_utility(ranker, *ridge_utility(items, lam, unjudged), scale)
+    first = float(np.mean([first_stage_ndcg(_pick(judge, held), rel) for _, held in folds]))
+    return {"ridge_lambda": lam, "prior_scale": scale, "cv_score": mean[lam, scale], "cv_first_stage": first,
+            "cv_grid": {f"{key[0]:g}/{key[1]:g}": v for key, v in mean.items()}}
+
+
+def cv_sgd(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Sequence[StateSlate], k: int, cfg: TrainConfig,
+           loss: LossConfig, rel: int, new_head: Callable[[], None], unjudged: int | None = 0,
+           sample_items: int | None = None) -> dict:
+    """The head by SGD, its step count chosen by k-fold CV over the queries of `items` (trained on their
+    targets; held-out folds scored every `cfg.log_every` steps by nDCG@10 on `judge`, aligned with
+    `items`): the step with the best mean held-out score, then one head trained on every query up to
+    that step of the same schedule. `new_head()` puts a fresh head in `ranker`.
+    -> {"best_step", "cv_score", "cv_first_stage", "cv_curve"}."""
+    curves = []  # per fold: {step: held-out nDCG@10}
+    for train, held in query_folds(len(items), [i.slate.slate_id for i in items], k):
+        new_head()
+        view = [StateSlate(j.slate, i.states, i.perm, i.utility) for i, j in zip(_pick(items, held), _pick(judge, held))]
+        out = fit_head(ranker, _pick(items, train), view, cfg, loss, rel, unjudged=unjudged, sample_items=sample_items)
+        curves.append({0: out["val_at_start"], **{r["step"]: r["val_nDCG@10"] for r in out["history"] if "val_nDCG@10" in r}})
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    mean = {s: float(np.mean([c[s] for c in curves])) for s in steps}
+    best = max(steps, key=lambda s: (round(mean[s], 6), -s))  # a tie goes to the earlier step
+    new_head()
+    fit_head(ranker, list(items), [], cfg, loss, rel, unjudged=unjudged, sample_items=sample_items, stop_at=best)
+    return {"best_step": best, "cv_score": mean[best], "cv_first_stage": mean[0], "cv_curve": mean}
+
+
+def judged_ndcg(ranker: SinglePassRanker, items: Sequence[StateSlate], rel: int) -> float:
+    return quality([i.slate for i in items], state_orders(ranker, items), rel)["nDCG@10"]
+
+
+def first_stage_ndcg(items: Sequence[StateSlate], rel: int) -> float:
+    return quality([i.slate for i in items], [list(range(len(i.slate.candidates))) for i in items], rel)["nDCG@10"]

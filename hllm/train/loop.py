@@ -169,12 +169,14 @@ def train_loop(loss_fn: Callable[[list], tuple[torch.Tensor, dict]], chunks: Ite
 
 
 def batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:
-    """Endless shuffled batches, reshuffled each epoch."""
+    """Endless shuffled batches, reshuffled each epoch (fewer examples than `batch_size`: all of them)."""
+    if not examples:
+        raise ValueError("no training examples to batch")
     rng = random.Random(seed)
     order = list(range(len(examples)))
     while True:
         rng.shuffle(order)
-        for start in range(0, len(order) - batch_size + 1 or 1, batch_size):
+        for start in range(0, max(len(order) - batch_size + 1, 1), batch_size):
             yield [examples[i] for i in order[start: start + batch_size]]
 
 

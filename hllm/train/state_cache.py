@@ -10,11 +10,13 @@ The folder is bound to one key (`states_key`): the backbone (preset, path, dtype
 where it is cut (`state_layer`), how each candidate is read (`pooling`), the prompt config, and every
 slate's query, documents and order. A folder made under another key is refused with `StaleStates`,
 never read: states of another model, prompt or candidate list would train a head on what it will
-never see.
+never see. `cached_layer_states` fills the folders of several cut points (a layer sweep) from one
+prefill per shard, each folder under the key of the ranker cut there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from hllm.data.cache import fingerprint
 from hllm.model.backbones import weights_id
+from hllm.model.item_states import pooled_layer_states
 from hllm.model.prompts import collate, document_text
 from hllm.model.ranker import RankerConfig, SinglePassRanker
 from hllm.records import RerankRequest
@@ -69,15 +72,31 @@ def _shard(directory: Path, index: int) -> Path:
 @torch.inference_mode()
 def compute_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], batch_size: int = 1) -> list[torch.Tensor]:
     """Per slate, its (N, D) float32 item states (one prefill per `batch_size` slates, no head)."""
-    out: list[torch.Tensor] = []
+    return compute_layer_states(ranker, slates, [_cut(ranker)], batch_size)[_cut(ranker)]
+
+
+@torch.inference_mode()
+def compute_layer_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], layers: Sequence[int],
+                         batch_size: int = 1) -> dict[int, list[torch.Tensor]]:
+    """{L: per slate its (N, D) float32 item states after decoder layer L}, for every L in `layers` (at
+    most the ranker's cut), from one prefill per `batch_size` slates: what rankers cut at each L read."""
+    out: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     for start in range(0, len(slates), batch_size):
         chunk = slates[start: start + batch_size]
         batch = collate([ranker.prompts.encode(s, with_answer=False) for s in chunk], ranker.tokenizer.pad_token_id)
         batch = {k: v.to(ranker.device) for k, v in batch.items()}
-        states = ranker.item_states(batch["input_ids"], batch["attention_mask"], batch["item_positions"],
-                                    batch["item_spans"])  # (B, N, P * D)
-        out += [states[row, : len(s.candidates)].float().cpu() for row, s in enumerate(chunk)]
+        args = (batch["input_ids"], batch["attention_mask"], batch["item_positions"], batch["item_spans"])
+        if list(layers) == [_cut(ranker)]:  # the ranker's own read (the items-only last layer for `last`)
+            states = {layers[0]: ranker.item_states(*args)}  # (B, N, P * D)
+        else:
+            states = pooled_layer_states(ranker.body, *args, ranker.cfg.pooling, layers)  # {L: (B, N, P * D)}
+        for layer, x in states.items():
+            out[layer] += [x[row, : len(s.candidates)].float().cpu() for row, s in enumerate(chunk)]
     return out
+
+
+def _cut(ranker: SinglePassRanker) -> int:
+    return len(ranker.body.layers)
 
 
 def cached_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], directory: str | Path,
@@ -86,24 +105,46 @@ def cached_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], dir
     """-> per slate its (N, D) item states: read from `directory` where computed before under the
     same key, computed (and written shard by shard) where missing. Raises `StaleStates` for a
     folder of another key. `progress(done, total, seconds)` after each shard computed."""
-    directory = Path(directory)
-    key = states_key(ranker.cfg, slates)
-    _bind(directory, key, len(slates), shard_slates)
+    layer = _cut(ranker)
+    return cached_layer_states(ranker, slates, {layer: directory}, shard_slates, batch_size, progress)[layer]
+
+
+def layer_key(rcfg: RankerConfig, layer: int, slates: Sequence[RerankRequest]) -> str:
+    """The key of a ranker that is `rcfg` cut after `layer`."""
+    return states_key(dataclasses.replace(rcfg, state_layer=layer), slates)
+
+
+def cached_layer_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], directories: dict[int, str | Path],
+                        shard_slates: int = 8, batch_size: int = 1,
+                        progress: Callable[[int, int, float], None] | None = None) -> dict[int, list[torch.Tensor]]:
+    """`cached_states` for several layers of one ranker at once ({layer: its folder}, each folder bound
+    to the key of the ranker cut at that layer): a shard missing from any folder is computed for every
+    layer by one prefill (`compute_layer_states`). -> {layer: per slate its (N, D) item states}."""
+    directories = {layer: Path(d) for layer, d in directories.items()}
+    layers = sorted(directories)
+    for layer, directory in directories.items():
+        key = states_key(ranker.cfg, slates) if layer == _cut(ranker) else layer_key(ranker.cfg, layer, slates)
+        _bind(directory, key, len(slates), shard_slates)
     starts = range(0, len(slates), shard_slates)
-    missing = [i for i, _ in enumerate(starts) if not _shard(directory, i).is_file()]
+    missing = [i for i, _ in enumerate(starts) if not all(_shard(d, i).is_file() for d in directories.values())]
     if missing:
-        log.info("item states: %d slates in %d shards, %d to compute (%s)", len(slates), len(starts), len(missing), directory)
+        log.info("item states: %d slates in %d shards, %d to compute (layers %s: %s)", len(slates), len(starts),
+                 len(missing), layers, ", ".join(map(str, directories.values())))
     t0 = time.perf_counter()
     for done, index in enumerate(missing, start=1):
         chunk = slates[index * shard_slates: (index + 1) * shard_slates]
-        states = compute_states(ranker, chunk, batch_size)
-        tmp = directory / f".tmp-{os.getpid()}-{index}.safetensors"
-        save_file({str(row): s.contiguous() for row, s in enumerate(states)}, tmp)
-        os.replace(tmp, _shard(directory, index))  # atomic: a shard is whole or absent
+        for layer, states in compute_layer_states(ranker, chunk, layers, batch_size).items():
+            tmp = directories[layer] / f".tmp-{os.getpid()}-{index}.safetensors"
+            save_file({str(row): s.contiguous() for row, s in enumerate(states)}, tmp)
+            os.replace(tmp, _shard(directories[layer], index))  # atomic: a shard is whole or absent
         if progress:
             progress(done, len(missing), time.perf_counter() - t0)
+    return {layer: _read(directory, slates, shard_slates) for layer, directory in directories.items()}
+
+
+def _read(directory: Path, slates: Sequence[RerankRequest], shard_slates: int) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    for index, start in enumerate(starts):
+    for index, start in enumerate(range(0, len(slates), shard_slates)):
         shard = load_file(_shard(directory, index))
         out += [shard[str(row)] for row in range(len(slates[start: start + shard_slates]))]
     for s, states in zip(slates, out):
