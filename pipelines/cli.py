@@ -7,6 +7,7 @@
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.recipes.realtext
+    hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml  # = python -m pipelines.distill_text
     hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
@@ -191,6 +192,13 @@ def cmd_realtext(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distilltext(args: argparse.Namespace) -> int:
+    from pipelines import distill_text
+
+    distill_text.main([f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
+    return 0
+
+
 def cmd_refresh(args: argparse.Namespace) -> int:
     from pipelines import refresh
 
@@ -299,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML config (e.g. configs/realtext/smollm2-trec-dl.yaml)")
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     t.set_defaults(func=cmd_realtext)
+
+    d = sub.add_parser("distilltext", help="a real teacher's rankings (a file) distilled into the single-pass student: "
+                       "teacher-folds, cross-year, the shipped student, MLflow runs (pipelines/distill_text.py)")
+    d.add_argument("--config", required=True, help="YAML config (e.g. configs/distilltext/smollm2-dl19-rankvicuna.yaml)")
+    d.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
+    d.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
+    d.set_defaults(func=cmd_distilltext)
     return parser
 
 

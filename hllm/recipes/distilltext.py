@@ -1,0 +1,428 @@
+"""Real teachers on real text: a single-pass student distilled from an autoregressive teacher's
+rankings (a file: RankVicuna-7B's or gpt-3.5's run), measured on the teacher's own queries.
+
+    python -m hllm.recipes.distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml [key=value ...]
+    hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml
+
+Every query's first-stage top `top_n` is one prompt; a frozen LM's item states are computed once per
+query for every layer of `layers` (one prefill, `hllm.train.state_cache.cached_layer_states`), kept
+as `ranker.pooling` (`last+mean`: a variant reading `last` or `mean` takes its half). A variant
+(`Variant`) is one way to fit the head on them: a target (the teacher's permutation, the judgments,
+or both), a fit (`ridge`: a utility probe under the first-stage prior in closed form; `sgd`: the
+paper's N x K attention head under the rank prior, trained on the teacher's permutation with its
+loss, on whole lists or on sub-slates with the teacher's relative order), a layer and a pooling.
+
+`teacher-folds`: the queries are cut into `folds` by a hash of their id; on each fold's training
+queries every variant chooses its own settings (L2 weight and prior scale, or its step count) by
+`cv_folds`-fold cross-validation, and the methods choose their variant by the same cross-validated
+score (nDCG@10 on the held-out training queries' judgments); the chosen one ranks the fold's test
+queries once. Every query is tested once. Methods: `first_stage`, `teacher` (its run on the same
+candidates), `student_distilled` (teacher-only targets), `student_both` (teacher and judgments),
+`student_judged` (judgments only). Each variant's own test figures are kept as the ablation.
+`cross_year`: distilled on every query of the teacher's collection, tested on other collections.
+`ship_to`: that student (the first teacher's) saved as a named model with its card. Writes report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from hllm.config import load_config, to_dict
+from hllm.data.cache import fingerprint
+from hllm.data.readers import read_slates
+from hllm.eval.evaluation import first_stage_order
+from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, kendall_tau
+from hllm.model.backbones import ModelConfig, resolve_device
+from hllm.model.heads import HeadConfig
+from hllm.model.item_states import POOLINGS, Pooling
+from hllm.model.prompts import PromptConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
+from hllm.records import RerankRequest
+from hllm.teacher.external import external_rankings
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, query_folds, state_orders
+from hllm.train.loop import LossConfig, TrainConfig
+from hllm.train.state_cache import cached_layer_states, layer_key
+
+log = logging.getLogger("hllm")
+FOLD_SALT = "teacher-folds/"  # the outer folds' hash differs from the inner CV's (hllm.train.head_fit.query_folds)
+TARGET_LOSS = {"teacher": {"sinkhorn_ce": 1.0}, "judgments": {"graded_ce": 1.0}, "both": {"sinkhorn_ce": 1.0, "graded_ce": 1.0}}
+
+
+@dataclass
+class TeacherRun:
+    name: str  # in the report, e.g. rankvicuna-7b
+    rankings: str  # the teacher's rankings of the collection's queries
+    format: str = "run"  # hllm.teacher.external.FORMATS: run, rank_llm, responses
+
+
+@dataclass
+class Variant:
+    """One way to fit the student (a row of the ablation, a child run in MLflow)."""
+
+    name: str
+    target: Literal["teacher", "judgments", "both"]  # what it learns from
+    fit: Literal["ridge", "sgd"] = "ridge"
+    layer: int = 16  # read the states after this decoder layer (one of DistillTextConfig.layers)
+    pooling: Pooling = "last+mean"  # a part of the cached pooling
+    loss: dict[str, float] | None = None  # sgd: hllm.train.losses terms (None: TARGET_LOSS[target])
+    sample_items: int | None = None  # sgd: sub-slates of this many candidates, the teacher's relative order
+
+
+@dataclass
+class DistillTextConfig:
+    output_dir: str = "runs/distilltext"
+    device: str = "auto"
+    threads: int | None = None
+    # the frozen backbone, cut after the deepest of `layers`, and the prompt; the heads come from the variants
+    ranker: RankerConfig = field(default_factory=lambda: RankerConfig(
+        model=ModelConfig(preset="smollm2-135m", context_length=8192), adapt=AdaptConfig(mode="frozen"),
+        head=HeadConfig(kind="utility", positions=20, prior="logrank"),
+        prompt=PromptConfig(template="rankgpt-query", max_doc_tokens=48), state_layer=20, pooling="last+mean"))
+    layers: list[int] = field(default_factory=lambda: [12, 16, 20])
+    collection: str = "../shared/data/trec-dl19-passage-bm25top100"  # the teacher's queries (BEIR folder + run)
+    teachers: list[TeacherRun] = field(default_factory=list)
+    top_n: int = 100
+    folds: int = 5  # teacher-folds: every query tested once
+    cv_folds: int = 5  # inside each fold's training queries
+    variants: list[Variant] = field(default_factory=list)
+    ridge_lambdas: list[float] = field(default_factory=lambda: [1000.0, 10000.0, 100000.0])
+    prior_scales: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    teacher_depth: int = 20  # ridge target: the teacher's rank r <= depth graded depth + 1 - r, the rest 0
+    sgd_head: HeadConfig = field(default_factory=lambda: HeadConfig(kind="attention", positions=20, width=128,
+                                                                   num_heads=4, prior="rank"))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=300, batch_size=8, lr=1e-3, warmup_steps=20,
+                                                                   log_every=25, weight_decay=0.01))
+    cross_year: list[str] = field(default_factory=list)  # tested with the students distilled on every query
+    ship_to: str | None = None  # the first teacher's distilled student, fitted on every query, saved here
+    bootstrap: int = 2000  # resamples of the queries for the share-of-gain interval
+    rel: int = 2  # MRR@10's relevance threshold (TREC DL: 2)
+    seed: int = 0
+    shard_slates: int = 4
+
+    def __post_init__(self) -> None:
+        if self.ranker.adapt.mode != "frozen":
+            raise ValueError("ranker.adapt.mode must be frozen: the item states are computed once and cached")
+        if not self.teachers:
+            raise ValueError("teachers: at least one TeacherRun {name, rankings}")
+        if not self.variants:
+            raise ValueError("variants: at least one")
+        if self.ranker.state_layer != max(self.layers):
+            raise ValueError(f"ranker.state_layer ({self.ranker.state_layer}) must be the deepest of layers {self.layers}")
+        cached = set(POOLINGS[self.ranker.pooling])
+        for v in self.variants:
+            if v.layer not in self.layers:
+                raise ValueError(f"variant {v.name}: layer {v.layer} is not among layers {self.layers}")
+            if not set(POOLINGS[v.pooling]) <= cached:
+                raise ValueError(f"variant {v.name}: pooling {v.pooling!r} is not part of ranker.pooling {self.ranker.pooling!r}")
+        if len({v.name for v in self.variants}) != len(self.variants):
+            raise ValueError("variant names must be unique")
+
+
+@dataclass
+class Query:
+    """One query of a collection: its slate, its states per layer, and each teacher's permutation."""
+
+    slate: RerankRequest
+    states: dict[int, torch.Tensor]  # layer -> (N, P * D)
+    perms: dict[str, list[int]]  # teacher name -> 0-based permutation, best first
+
+
+def load_queries(cfg: DistillTextConfig, ranker: SinglePassRanker, path: str, teachers: list[TeacherRun]) -> tuple[list[Query], dict]:
+    """The collection's slates with their cached states (computed where missing) and the teachers'
+    rankings; -> (queries, each teacher's coverage counts). A query a teacher does not rank is an error
+    here: the folds compare every method on the same queries."""
+    slates = read_slates("beir", path, top_n=cfg.top_n)
+    name = Path(path).name
+    dirs = {layer: Path(cfg.output_dir) / "states" / f"{name}-{layer_key(ranker.cfg, layer, slates)}" for layer in cfg.layers}
+    states = cached_layer_states(ranker, slates, dirs, cfg.shard_slates, progress=lambda done, total, s: log.info(
+        "  %s: %d/%d state shards (%.0fs)", name, done, total, s))
+    perms, coverage = {}, {}
+    for t in teachers:
+        rankings, cov = external_rankings(t.format, t.rankings, slates)
+        coverage[t.name] = cov.counts()
+        if cov.uncovered or cov.missing_ids:
+            raise ValueError(f"teacher {t.name}: {cov.uncovered} of {len(slates)} queries unranked, {cov.missing_ids} "
+                             f"candidates left out ({cov.examples}); the folds need every query ranked whole")
+        perms[t.name] = [r.permutation for r in rankings]
+    return [Query(s, {layer: states[layer][i] for layer in cfg.layers}, {t: p[i] for t, p in perms.items()})
+            for i, s in enumerate(slates)], coverage
+
+
+def _columns(cfg: DistillTextConfig, pooling: str, width: int) -> list[int]:
+    """The columns of a `pooling` part of the cached states (each part `width` wide)."""
+    cached = POOLINGS[cfg.ranker.pooling]
+    return [c for part in POOLINGS[pooling] for c in range(cached.index(part) * width, (cached.index(part) + 1) * width)]
+
+
+def teacher_grades(perm: list[int], depth: int) -> list[int]:
+    """Input order -> the teacher's rank r (1-based) graded depth + 1 - r within its top `depth`, 0 below."""
+    grades = [0] * len(perm)
+    for rank, item in enumerate(perm[:depth]):
+        grades[item] = depth - rank
+    return grades
+
+
+class Fitter:
+    """Fits one variant on some queries and ranks others, over the cached states."""
+
+    def __init__(self, cfg: DistillTextConfig, ranker: SinglePassRanker, width: int):
+        self.cfg, self.ranker, self.width = cfg, ranker, width
+
+    def judged(self, v: Variant, queries: list[Query]) -> list[StateSlate]:
+        """The queries as the variant's head reads them, graded by their qrels (no teacher)."""
+        cols = _columns(self.cfg, v.pooling, self.width)
+        return [StateSlate(q.slate, q.states[v.layer][:, cols]) for q in queries]  # states (N, P' * D)
+
+    def views(self, v: Variant, teacher: str | None, queries: list[Query]) -> tuple[list[StateSlate], list[StateSlate]]:
+        """-> (what the variant trains on, the same queries as the choice judges them: their qrels)."""
+        judge = self.judged(v, queries)
+        items = []
+        for q, j in zip(queries, judge):
+            x = j.states
+            perm = q.perms[teacher] if teacher else None
+            grades = [0 if g is None else g for g in (q.slate.grades or [None] * len(q.slate.candidates))]
+            utility = None
+            if v.target == "teacher":
+                utility = [float(g) for g in teacher_grades(perm, self.cfg.teacher_depth)]
+            elif v.target == "both":  # the judged grade (0-3) and the teacher's grade scaled to 0-3
+                utility = [g + 3.0 * t / self.cfg.teacher_depth for g, t in zip(grades, teacher_grades(perm, self.cfg.teacher_depth))]
+            items.append(StateSlate(q.slate, x, perm if v.target != "judgments" else None, utility))
+        return items, judge
+
+    def head_config(self, v: Variant) -> RankerConfig:
+        head = HeadConfig(kind="utility", positions=self.cfg.sgd_head.positions, prior="logrank") if v.fit == "ridge" else self.cfg.sgd_head
+        return dataclasses.replace(self.cfg.ranker, state_layer=v.layer, pooling=v.pooling, head=head, window=self.cfg.top_n)
+
+    def new_head(self, v: Variant) -> None:
+        torch.manual_seed(self.cfg.seed)
+        self.ranker.cfg = self.head_config(v)
+        self.ranker.head = self.ranker.new_head().to(self.ranker.device)
+
+    def fit(self, v: Variant, teacher: str | None, queries: list[Query]) -> dict[str, Any]:
+        """Fits `ranker.head` on `queries`, its settings chosen by CV over them. -> the CV record."""
+        items, judge = self.views(v, teacher, queries)
+        self.new_head(v)
+        if v.fit == "ridge":
+            return cv_ridge(self.ranker, items, judge, self.cfg.cv_folds, self.cfg.ridge_lambdas, self.cfg.prior_scales, self.cfg.rel)
+        loss = LossConfig(v.loss or TARGET_LOSS[v.target])
+        train = dataclasses.replace(self.cfg.train, seed=self.cfg.seed)
+        return cv_sgd(self.ranker, items, judge, self.cfg.cv_folds, train, loss, self.cfg.rel, lambda: self.new_head(v),
+                      0, v.sample_items)
+
+    def orders(self, v: Variant, queries: list[Query]) -> list[list[int]]:
+        """The fitted head's Hungarian orders of `queries` (whole lists, one pass each)."""
+        return state_orders(self.ranker, self.judged(v, queries))
+
+
+def _trials(cfg: DistillTextConfig) -> list[tuple[Variant, str | None]]:
+    """Every (variant, teacher) to fit: a judgments-only variant once, the others once per teacher."""
+    return [(v, None) if v.target == "judgments" else (v, t.name) for v in cfg.variants
+            for t in (cfg.teachers[:1] if v.target == "judgments" else cfg.teachers)]
+
+
+def trial_name(v: Variant, teacher: str | None) -> str:
+    return v.name if teacher is None else f"{v.name}@{teacher}"
+
+
+METHODS = {"student_distilled": "teacher", "student_both": "both", "student_judged": "judgments"}
+
+
+def choose(records: dict[str, dict], cfg: DistillTextConfig, method: str, teacher: str | None) -> str | None:
+    """The trial a method keeps: the best cross-validated score among its target's (ties: the earlier one)."""
+    target = METHODS[method]
+    names = [trial_name(v, None if target == "judgments" else teacher) for v in cfg.variants if v.target == target]
+    names = [n for n in names if n in records]
+    return max(names, key=lambda n: (round(records[n]["cv_score"], 6), -names.index(n))) if names else None
+
+
+def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) -> dict[str, Any]:
+    """Every trial fitted on each fold's training queries and tested on its test queries; the methods'
+    choices per fold. -> {"orders": {trial: per query its order}, "chosen": [per fold {method@teacher: trial}], "cv": ...}."""
+    orders: dict[str, list[list[int] | None]] = {trial_name(v, t): [None] * len(queries) for v, t in _trials(cfg)}
+    chosen, cv = [], []
+    for f, (train_idx, test_idx) in enumerate(query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT)):
+        train, test = [queries[i] for i in train_idx], [queries[i] for i in test_idx]
+        records = {}
+        for v, t in _trials(cfg):
+            t0 = time.perf_counter()
+            records[trial_name(v, t)] = rec = fitter.fit(v, t, train)
+            for i, order in zip(test_idx, fitter.orders(v, test)):
+                orders[trial_name(v, t)][i] = order
+            log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, trial_name(v, t),
+                     rec["cv_score"], rec["cv_first_stage"], time.perf_counter() - t0)
+        picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
+        chosen.append({k: p for k, p in picks.items() if p})
+        cv.append({n: {k: r[k] for k in ("cv_score", "cv_first_stage") if k in r} |
+                   {k: r[k] for k in ("ridge_lambda", "prior_scale", "best_step") if k in r} for n, r in records.items()})
+        log.info("fold %d/%d chose %s", f + 1, cfg.folds, chosen[-1])
+    fold_of = {i: f for f, (_, test_idx) in enumerate(query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT))
+               for i in test_idx}
+    methods = {key: [orders[chosen[fold_of[i]][key]][i] for i in range(len(queries))]
+               for key in chosen[0] if all(key in c for c in chosen)}
+    return {"trial_orders": orders, "method_orders": methods, "chosen": chosen, "cv": cv}
+
+
+def per_query(slates: list[RerankRequest], orders: list[list[int]], rel: int) -> dict[str, dict[str, float]]:
+    """{metric: {qid: value}} (nDCG@10, MRR@10) over judged queries."""
+    names = {k: v for k, v in ir_measure_names(rel).items() if k in ("nDCG@10", "MRR@10")}
+    return ir_metrics_by_query(slates, orders, names)
+
+
+def share_kept(student: np.ndarray, first: np.ndarray, teacher: np.ndarray, resamples: int, seed: int) -> dict[str, float]:
+    """(student - first) / (teacher - first) on the means over queries, with a 95% percentile
+    bootstrap interval over queries (scipy.stats.bootstrap, the queries resampled in pairs)."""
+    from scipy.stats import bootstrap
+
+    def ratio(s, b, t, axis=-1):
+        return (s.mean(axis) - b.mean(axis)) / (t.mean(axis) - b.mean(axis))
+
+    ci = bootstrap((student, first, teacher), ratio, paired=True, n_resamples=resamples, method="percentile",
+                   random_state=np.random.default_rng(seed), vectorized=True).confidence_interval
+    return {"share": float(ratio(student, first, teacher)), "ci_low": float(ci.low), "ci_high": float(ci.high)}
+
+
+def summarize(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any]) -> dict[str, Any]:
+    """Per method and per trial: means over queries, Kendall tau to each teacher, and the share of each
+    teacher's gain over the first stage that each student keeps (with its bootstrap interval)."""
+    slates = [q.slate for q in queries]
+    runs = {"first_stage": first_stage_order(slates)} | {f"teacher@{t.name}": [q.perms[t.name] for q in queries] for t in cfg.teachers}
+    runs |= folds["method_orders"]
+    table = {}
+    for name, orders in list(runs.items()) + [(f"trial:{k}", v) for k, v in folds["trial_orders"].items()]:
+        pq = per_query(slates, orders, cfg.rel)
+        table[name] = {m: float(np.mean(list(v.values()))) for m, v in pq.items()} | {"per_query_nDCG@10": pq["nDCG@10"]}
+        for t in cfg.teachers:
+            table[name][f"tau_to_{t.name}"] = float(np.mean([kendall_tau(o, q.perms[t.name]) for o, q in zip(orders, queries)]))
+    qids = list(table["first_stage"]["per_query_nDCG@10"])
+    vec = {name: np.array([row["per_query_nDCG@10"][q] for q in qids]) for name, row in table.items()}
+    shares = {f"{m}@{t.name}": share_kept(vec[f"{m}@{t.name}"], vec["first_stage"], vec[f"teacher@{t.name}"], cfg.bootstrap, cfg.seed)
+              for t in cfg.teachers for m in METHODS if f"{m}@{t.name}" in vec}
+    return {"queries": len(qids), "table": table, "share_kept": shares}
+
+
+def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query], others: dict[str, list[Query]]) -> dict[str, Any]:
+    """Every trial fitted on every query of the teacher's collection (settings by CV over them) and tested
+    on each of `others` (never trained on); each method's choice by the same CV score.
+    -> {"chosen", "cv", "tests": {collection: {"queries", "methods", "trials"}}, "heads": {trial: (config, weights)}}."""
+    records, heads, orders = {}, {}, {name: {} for name in others}
+    for v, t in _trials(cfg):
+        name = trial_name(v, t)
+        records[name] = fitter.fit(v, t, queries)
+        heads[name] = (fitter.ranker.cfg, {k: x.detach().clone() for k, x in fitter.ranker.head.state_dict().items()})
+        for other, qs in others.items():
+            orders[other][name] = fitter.orders(v, qs)
+        log.info("all %d queries %s: CV nDCG@10 %.4f (first stage %.4f)", len(queries), name, records[name]["cv_score"],
+                 records[name]["cv_first_stage"])
+    picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
+    picks = {k: p for k, p in picks.items() if p}
+    tests = {}
+    for other, qs in others.items():
+        slates = [q.slate for q in qs]
+        mean = lambda o: {m: float(np.mean(list(v.values()))) for m, v in per_query(slates, o, cfg.rel).items()}  # noqa: E731
+        tests[other] = {"queries": len(slates), "methods": {"first_stage": mean(first_stage_order(slates))} |
+                        {k: mean(orders[other][p]) for k, p in picks.items()},
+                        "trials": {n: mean(o) for n, o in orders[other].items()}}
+    return {"chosen": picks, "cv": {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step")
+                                        if k in r} for n, r in records.items()}, "tests": tests, "heads": heads}
+
+
+def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict[str, Any], coverage: dict) -> dict[str, Any]:
+    """The first teacher's distilled student (the trial its CV chose, fitted on every query) saved to
+    `ship_to` with a model card that names the teacher and the data."""
+    teacher = cfg.teachers[0]
+    trial = everything["chosen"][f"student_distilled@{teacher.name}"]
+    rcfg, weights = everything["heads"][trial]
+    ranker = SinglePassRanker.build(rcfg)
+    ranker.head.load_state_dict(weights)
+    target = Path(cfg.ship_to)
+    ranker.save(target)
+    cv = everything["cv"][trial]
+    card = {
+        "base_model": f"{rcfg.model.preset} (frozen, cut after decoder layer {rcfg.state_layer})",
+        "pooling": rcfg.pooling,
+        "teacher": {"name": teacher.name, "rankings": Path(teacher.rankings).name, "format": teacher.format,
+                    "coverage": coverage[teacher.name],
+                    "what": "distilled from the teacher's rankings alone (no relevance labels in the loss)"},
+        "training_data": {"collection": Path(cfg.collection).name, "queries": folds_summary["queries"], "top_n": cfg.top_n},
+        "variant": trial, "fit": cv, "chosen_by": f"{cfg.cv_folds}-fold CV over the training queries (nDCG@10 on their qrels)",
+        "positions": rcfg.head.positions, "window": cfg.top_n, "adapt": "frozen",
+        "prompt": {"template": rcfg.prompt.template, "max_doc_tokens": rcfg.prompt.max_doc_tokens,
+                   "context_length": rcfg.model.context_length},
+        "head": f"{rcfg.head.kind} with the first-stage prior ({rcfg.head.prior})",
+        "teacher_folds": {k: folds_summary["table"][k]["nDCG@10"] for k in ("first_stage", f"teacher@{teacher.name}",
+                                                                             f"student_distilled@{teacher.name}")},
+        "cross_year": {c: t["methods"].get(f"student_distilled@{teacher.name}") for c, t in everything["tests"].items()},
+        "input": "candidates in first-stage order, best first: the prior reads their ranks",
+    }
+    write_model_card(target, card)
+    (target / "recipe.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    return card
+
+
+def run(cfg: DistillTextConfig) -> dict[str, Any]:
+    """Teacher-folds, then every query for the cross-year tests and the shipped student. -> the report."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    ranker = SinglePassRanker.build(cfg.ranker).to(resolve_device(cfg.device)).eval()
+    queries, coverage = load_queries(cfg, ranker, cfg.collection, cfg.teachers)
+    others = {Path(p).name: load_queries(cfg, ranker, p, [])[0] for p in cfg.cross_year}
+    width = queries[0].states[cfg.layers[0]].shape[1] // len(POOLINGS[cfg.ranker.pooling])
+    fitter = Fitter(cfg, ranker, width)
+    t0 = time.perf_counter()
+    folds = teacher_folds(cfg, fitter, queries)
+    summary = summarize(cfg, queries, folds)
+    log.info("teacher-folds done in %.0fs", time.perf_counter() - t0)
+    everything = fit_everything(cfg, fitter, queries, others)
+    report = {"config": fingerprint(cfg), "collection": Path(cfg.collection).name, "coverage": coverage,
+              "teacher_folds": summary | {"chosen": folds["chosen"], "cv": folds["cv"]},
+              "cross_year": {k: v for k, v in everything.items() if k != "heads"}}
+    if cfg.ship_to:
+        report["shipped"] = ship(cfg, everything, summary, coverage)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML (e.g. configs/distilltext/smollm2-dl19-rankvicuna.yaml); key=value overrides win")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    cfg = load_config(DistillTextConfig, args.config, args.overrides)
+    log.info("config: %s", json.dumps(to_dict(cfg)))
+    t0 = time.perf_counter()
+    report = run(cfg)
+    print("\n".join(summary_lines(cfg, report)))
+    print(f"total {time.perf_counter() - t0:.0f}s; report: {Path(cfg.output_dir) / 'report.json'}")
+
+
+def summary_lines(cfg: DistillTextConfig, report: dict[str, Any]) -> list[str]:
+    """The report's headline: each method's teacher-folds figures and share kept, then cross-year."""
+    folds, lines = report["teacher_folds"], []
+    for name in ["first_stage"] + [f"teacher@{t.name}" for t in cfg.teachers] + list(folds["share_kept"]):
+        row = folds["table"][name]
+        share = folds["share_kept"].get(name)
+        lines.append(f"teacher-folds {name} ({folds['queries']} queries): nDCG@10 {row['nDCG@10']:.4f}"
+                     + "".join(f", tau to {t.name} {row['tau_to_' + t.name]:.3f}" for t in cfg.teachers)
+                     + (f"; share of the teacher's gain kept {share['share']:.2f} [{share['ci_low']:.2f}, {share['ci_high']:.2f}]"
+                        if share else ""))
+    for collection, test in report["cross_year"]["tests"].items():
+        lines += [f"cross-year -> {collection} ({test['queries']} queries) {name}: nDCG@10 {m['nDCG@10']:.4f}"
+                  for name, m in test["methods"].items()]
+    return lines
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Distillation from a real teacher's file at tiny scale: teacher-folds (every query tested once, each
+method's variant chosen on training queries), the share of the teacher's gain kept, cross-year, the
+shipped student ranking as the recipe measured it."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hllm.config import load_config
+from hllm.eval.metrics import ir_metrics
+from hllm.data.readers import read_qrels, read_slates
+from hllm.recipes.distilltext import DistillTextConfig, run, share_kept, teacher_grades
+from hllm.reranker import Reranker
+
+from conftest import TINY
+from test_cli import _beir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _teacher_run(root: Path, noise: int) -> Path:
+    """A teacher that ranks by the qrels' grade, with `noise` adjacent swaps below its top 2."""
+    qrels = read_qrels(root / "qrels" / "test.tsv")
+    lines = ["query-id\tcorpus-id\trank\tscore"]
+    for qid, judged in qrels.items():
+        order = sorted(judged, key=lambda d: (-judged[d], int(d[1:])))
+        for i in range(2, 2 + noise):
+            order[i], order[i + 1] = order[i + 1], order[i]
+        lines += [f"{qid}\t{d}\t{r + 1}\t{100 - r}" for r, d in enumerate(order)]
+    path = root / f"teacher-noise{noise}.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_config(tmp_path: Path) -> DistillTextConfig:
+    a, b = _beir(tmp_path / "a", queries=9, docs=8), _beir(tmp_path / "b", queries=4, docs=8)
+    overrides = [f"output_dir={tmp_path / 'run'}", f"collection={a}", f"cross_year=[{b}]", "top_n=8", "folds=2", "cv_folds=2",
+                 f"teachers=[{{name: gold, rankings: {_teacher_run(a, 0)}}}, {{name: noisy, rankings: {_teacher_run(a, 2)}}}]",
+                 "layers=[1, 2]", "ranker.state_layer=2", "ranker.adapt.mode=frozen", "ranker.pooling=last+mean", "ranker.prompt.max_doc_tokens=8", "ranker.head.positions=4",
+                 "sgd_head.positions=4", "sgd_head.width=32", "sgd_head.num_heads=2", "teacher_depth=4",
+                 "train.steps=8", "train.batch_size=4", "train.log_every=4", "train.warmup_steps=2", "bootstrap=200",
+                 "variants=[{name: r1, target: teacher, layer: 1, pooling: mean}, {name: r2, target: teacher, layer: 2},"
+                 " {name: j2, target: judgments, layer: 2}, {name: b2, target: both, layer: 2, pooling: last},"
+                 " {name: sgd, target: teacher, fit: sgd, layer: 2, sample_items: 4}]",
+                 f"ship_to={tmp_path / 'shipped'}"]
+    cfg = load_config(DistillTextConfig, None, overrides)
+    cfg.ranker.model = TINY
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("distilltext")
+    cfg = tiny_config(tmp_path)
+    return cfg, run(cfg), tmp_path
+
+
+def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(distilled):
+    cfg, report, tmp_path = distilled
+    folds = report["teacher_folds"]
+    slates = read_slates("beir", cfg.collection, top_n=8)
+    assert folds["queries"] == 9 and report["coverage"]["gold"]["ranked"] == 9
+    table = folds["table"]
+    # the teacher's own figures are its file's, measured like every method (here: the grades' order of the candidates)
+    gold = [sorted(range(8), key=lambda i: (-s.grades[i], int(s.candidates[i].docid[1:]))) for s in slates]
+    assert table["teacher@gold"]["nDCG@10"] == pytest.approx(ir_metrics(slates, gold, ["nDCG@10"])["nDCG@10"])
+    assert table["first_stage"]["tau_to_gold"] < 1 and table["teacher@gold"]["tau_to_gold"] == pytest.approx(1.0)
+    for t in ("gold", "noisy"):
+        for m in ("student_distilled", "student_both", "student_judged"):
+            assert f"{m}@{t}" in table and f"{m}@{t}" in folds["share_kept"]
+            assert len(table[f"{m}@{t}"]["per_query_nDCG@10"]) == 9  # every query tested once
+    # each fold chose among its method's own variants, by the CV score on its training queries
+    for chosen, cv in zip(folds["chosen"], folds["cv"]):
+        assert chosen["student_judged@gold"] == "j2" and chosen["student_both@noisy"] == "b2@noisy"
+        picked = chosen["student_distilled@gold"]
+        assert picked in ("r1@gold", "r2@gold", "sgd@gold")
+        assert cv[picked]["cv_score"] == max(cv[n]["cv_score"] for n in ("r1@gold", "r2@gold", "sgd@gold"))
+    # cross-year: first stage and each method on the other collection
+    test = report["cross_year"]["tests"]["b"]
+    assert test["queries"] == 4 and {"first_stage", "student_distilled@gold", "student_judged@gold"} <= set(test["methods"])
+    # the shipped student ranks b as the recipe measured it, and its card names the teacher and the data
+    card = json.loads((tmp_path / "shipped" / "model_card.json").read_text())
+    assert card["teacher"]["name"] == "gold" and card["training_data"] == {"collection": "a", "queries": 9, "top_n": 8}
+    shipped = Reranker.load(tmp_path / "shipped")
+    b = read_slates("beir", tmp_path / "b", top_n=8)
+    orders = [shipped.decode(m).permutation.tolist() for m in shipped.score_slates(b)]
+    assert ir_metrics(b, orders, ["nDCG@10"])["nDCG@10"] == pytest.approx(test["methods"]["student_distilled@gold"]["nDCG@10"], abs=1e-6)
+
+
+def test_teacher_grades_and_the_share_of_the_gain_kept():
+    assert teacher_grades([2, 0, 3, 1], depth=2) == [1, 0, 2, 0]
+    first, teacher = np.array([0.2, 0.4, 0.3, 0.5]), np.array([0.6, 0.8, 0.5, 0.9])
+    student = first + 0.5 * (teacher - first)
+    got = share_kept(student, first, teacher, resamples=500, seed=0)
+    assert got["share"] == pytest.approx(0.5) and got["ci_low"] == pytest.approx(0.5) and got["ci_high"] == pytest.approx(0.5)
+    noisy = share_kept(student + np.array([0.1, -0.1, 0.05, -0.02]), first, teacher, resamples=500, seed=0)
+    assert noisy["ci_low"] < noisy["share"] < noisy["ci_high"]
+
+
+def test_mlflow_records_a_parent_and_a_child_per_trial_with_the_reports_figures(distilled):
+    import mlflow
+
+    from pipelines.common import TrackingConfig
+    from pipelines.distill_text import DistillTextJob, log_report
+
+    cfg, report, tmp_path = distilled
+    parent = log_report(DistillTextJob(cfg, TrackingConfig(experiment="hllm-distilltext", registered_model=None)), report)
+    mlflow.set_tracking_uri(f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}")
+    children = mlflow.search_runs(experiment_names=["hllm-distilltext"], output_format="list",
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+    trials = {c.data.tags["ablation.variant"]: c for c in children}
+    assert set(trials) == {"r1@gold", "r1@noisy", "r2@gold", "r2@noisy", "j2", "b2@gold", "b2@noisy", "sgd@gold", "sgd@noisy"}
+    table = report["teacher_folds"]["table"]
+    for name, child in trials.items():
+        assert child.data.metrics["folds.nDCG_at_10"] == pytest.approx(table[f"trial:{name}"]["nDCG@10"])
+        assert child.data.params["variant.name"] == name.split("@")[0]
+    assert trials["j2"].data.params["teacher"] == "judgments"
+    top = mlflow.get_run(parent).data.metrics
+    assert top["folds.student_distilled_at_gold.share_kept.share"] == pytest.approx(
+        report["teacher_folds"]["share_kept"]["student_distilled@gold"]["share"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "distilltext").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_distilltext_config_loads_with_teachers_that_exist_in_its_data(path):
+    cfg = load_config(DistillTextConfig, path)
+    assert cfg.teachers and cfg.variants and cfg.ranker.adapt.mode == "frozen"
+    assert {v.target for v in cfg.variants} == {"teacher", "both", "judgments"}  # every method has a variant
+    data = ROOT.parent / "shared" / "data"
+    if data.is_dir():
+        for t in cfg.teachers:
+            assert (ROOT / t.rankings).is_file(), t.rankings
