@@ -3,6 +3,7 @@ the teacher, on a finished job's held-out queries and (optionally) on a second c
 job never saw; and the cross-year protocol of a finished `hllm.recipes.realtext` run.
 
     python benchmarks/real_data.py --cross-year runs/realtext                 # the report as committed
+    python benchmarks/real_data.py --teacher-folds runs/distilltext           # adds the real teachers' rows to it
     python benchmarks/real_data.py --job runs/dl19-smollm2 [--transfer ../shared/data/cranfield] [--transfer-queries 40]
 
 `--cross-year RUN`: RUN's `report.json` (`python -m hllm.recipes.realtext --config configs/realtext/smollm2-trec-dl.yaml`)
@@ -10,6 +11,13 @@ gives, per fold, split `cross-year` rows (collection = the test year, trained on
 first stage and the student on every judged query of the test year, the whole BM25 top 100
 reranked in one pass, the student's figures the mean over the run's seeds; and split
 `transfer-test` rows: the shipped student (trained on both years) on a collection never trained on.
+
+`--teacher-folds RUN`: RUN's `report.json` (`hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml`)
+gives split `teacher-folds` rows per teacher (first stage, the teacher's own run, and each student
+method, every query of the collection tested once, with Kendall tau to that teacher and the share of
+its gain over the first stage kept, a 95% bootstrap interval over queries) and split `cross-year`
+rows of the students distilled on every query, tested on another year. They replace the rows of
+an earlier `--teacher-folds` run in `--out` and keep every other row there.
 
 Reads the job's `config.json` and `report.json` (first stage, teacher and student on its test
 split, as the job measured them), runs the FIRST-style readout (one prefill of the teacher's
@@ -40,7 +48,9 @@ from hllm.reranker import Reranker
 from hllm.teacher.baselines import first_style_orders
 from pipelines.common import PipelineConfig
 
-FIELDS = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10"]
+FIELDS = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "teacher", "tau_to_teacher", "share_kept",
+          "share_kept_ci95"]  # the last four: teacher-folds and distilled cross-year rows only
+DISTILLED = "## Real teachers"  # the Markdown section of the --teacher-folds rows
 log = logging.getLogger("hllm")
 
 
@@ -70,6 +80,53 @@ def cross_year_rows(run: Path) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+def teacher_fold_rows(run: Path) -> tuple[list[dict], list[str]]:
+    """Rows and Markdown notes from a finished `hllm.recipes.distilltext` run's report.json."""
+    report = json.loads((run / "report.json").read_text())
+    cfg = json.loads((run / "config.json").read_text())
+    folds, collection = report["teacher_folds"], report["collection"]
+    table, n = folds["table"], folds["queries"]
+    rows, notes = [], []
+
+    def row(coll, queries, split, method, m, teacher="", tau=None, share=None):
+        return {"collection": coll, "queries": queries, "split": split, "method": method, "nDCG@10": round(m["nDCG@10"], 4),
+                "MRR@10": round(m["MRR@10"], 4), "teacher": teacher, "tau_to_teacher": "" if tau is None else round(tau, 3),
+                "share_kept": "" if share is None else round(share["share"], 2),
+                "share_kept_ci95": "" if share is None else f"[{share['ci_low']:.2f}, {share['ci_high']:.2f}]"}
+
+    for t in cfg["teachers"]:
+        name = t["name"]
+        for method in ["first_stage", "teacher", "student_distilled", "student_both", "student_judged"]:
+            key = method if method == "first_stage" else f"{method}@{name}"
+            if key in table:
+                rows.append(row(collection, n, "teacher-folds", method, table[key], name, table[key][f"tau_to_{name}"],
+                                folds["share_kept"].get(key)))
+        picks = [c.get(f"student_distilled@{name}") for c in folds["chosen"]]
+        notes.append(f"- {name}: the distilled student's variant per fold (by CV on the fold's training queries): "
+                     + ", ".join(p.split("@")[0] for p in picks))
+    cross = report["cross_year"]
+    for other, test in cross["tests"].items():
+        rows.append(row(other, test["queries"], "cross-year", "first_stage", test["methods"]["first_stage"]))
+        for t in cfg["teachers"]:
+            key = f"student_distilled@{t['name']}"
+            if key in test["methods"]:
+                rows.append(row(other, test["queries"], "cross-year", "student_distilled", test["methods"][key], t["name"]))
+                notes.append(f"- cross-year -> {other}: distilled from {t['name']} on all {n} queries of {collection} "
+                             f"with `{cross['chosen'][key].split('@')[0]}` (chosen by CV over them)")
+    ablation = ["", f"Ablation: each trial (a variant x a teacher) on the teacher-folds, every query tested once ({n} queries), "
+                f"and fitted on all of {collection}, tested on the other year. A method uses, per fold, the trial its CV chose.", "",
+                "| trial | teacher-folds nDCG@10 | tau to rankvicuna-7b | " + " | ".join(f"{o} nDCG@10" for o in cross["tests"]) + " |",
+                "| --- | ---: | ---: | " + " | ".join("---:" for _ in cross["tests"]) + " |"]
+    first_teacher = cfg["teachers"][0]["name"]
+    for key, m in table.items():
+        if key.startswith("trial:"):
+            trial = key.removeprefix("trial:")
+            ablation.append(f"| {trial} | {m['nDCG@10']:.4f} | {m[f'tau_to_{first_teacher}']:.3f} | "
+                            + " | ".join(f"{t['trials'][trial]['nDCG@10']:.4f}" for t in cross["tests"].values()) + " |")
+    ablation[3] = ablation[3].replace("rankvicuna-7b", first_teacher)
+    return rows, notes + ablation
+
+
 def chosen(t: dict) -> str:
     """How a fit's settings were chosen, from its training record."""
     if "ridge_lambda" in t:
@@ -80,32 +137,71 @@ def chosen(t: dict) -> str:
             f"untrained = first stage {t['val_nDCG@10_at_start']:.4f})")
 
 
-def write(rows: list[dict], out: Path, text: str) -> None:
+def write(rows: list[dict], out: Path, text: str, title: str | None = "# Real text: first stage, teacher, student") -> None:
     out.parent.mkdir(exist_ok=True)
     with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
         writer.writeheader()
         writer.writerows(rows)
     print(text)
-    out.with_suffix(".md").write_text(f"# Real text: first stage, teacher, student\n\n{text}\n")
+    out.with_suffix(".md").write_text((f"{title}\n\n" if title else "") + f"{text}\n")
 
 
-def table(rows: list[dict]) -> list[str]:
-    return ["| " + " | ".join(FIELDS) + " |", "| --- | ---: | --- | --- | ---: | ---: |"] + [
-        "| " + " | ".join(f"{r[k]:.4f}" if isinstance(r[k], float) else str(r[k]) for k in FIELDS) + " |" for r in rows]
+def table(rows: list[dict], fields: list[str] = FIELDS[:6]) -> list[str]:
+    align = {"collection": "---", "split": "---", "method": "---", "teacher": "---", "share_kept_ci95": "---"}
+    return ["| " + " | ".join(fields) + " |", "| " + " | ".join(align.get(k, "---:") for k in fields) + " |"] + [
+        "| " + " | ".join(f"{r[k]:.4f}" if isinstance(r[k], float) and k in ("nDCG@10", "MRR@10") else str(r.get(k, ""))
+                          for k in fields) + " |" for r in rows]
+
+
+def add_teacher_folds(run: Path, out: Path) -> None:
+    """A distilltext run's rows into `out` (CSV and its Markdown twin): rows of the same (collection,
+    split, method, teacher) and an earlier run's section are replaced, everything else stays."""
+    rows, notes = teacher_fold_rows(run)
+    cfg = json.loads((run / "config.json").read_text())
+    r = cfg["ranker"]
+    new = {(x["collection"], x["split"], x["method"], x["teacher"]) for x in rows}
+    kept = []
+    if out.is_file():
+        with out.open() as f:
+            kept = [x for x in csv.DictReader(f) if (x["collection"], x["split"], x["method"], x.get("teacher") or "") not in new]
+    md = out.with_suffix(".md")
+    head = md.read_text().split(f"\n{DISTILLED}")[0].rstrip() if md.is_file() else "# Real text: first stage, teacher, student"
+    teachers = ", ".join(f"{t['name']} (`{Path(t['rankings']).name}`)" for t in cfg["teachers"])
+    section = [
+        f"{DISTILLED}: distilled from a file of the teacher's rankings (`{run}`, `hllm.recipes.distilltext`)", "",
+        f"Teachers: {teachers}, over the first stage's top {cfg['top_n']} of `{Path(cfg['collection']).name}`. Student: "
+        f"{r['model']['preset']} frozen, prompt `{r['prompt']['template']}` (passages cut to {r['prompt']['max_doc_tokens']} tokens, "
+        f"the whole top {cfg['top_n']} one prompt), states after layers {cfg['layers']} from one prefill. `teacher-folds`: "
+        f"{cfg['folds']} folds by query hash, every query tested once; on each fold's training queries every variant picks "
+        f"its settings and each method its variant by {cfg['cv_folds']}-fold CV (nDCG@10 on those queries' qrels), the test "
+        "queries read once. Methods: `teacher` is its own run on the same candidates; `student_distilled` learned from the "
+        "teacher's rankings alone, `student_both` from them and the qrels, `student_judged` from the qrels alone. "
+        "tau_to_teacher: mean Kendall tau over queries of the whole 100-candidate order. share_kept: (student - first "
+        "stage) / (teacher - first stage) of mean nDCG@10, 95% percentile bootstrap over queries (scipy.stats.bootstrap, "
+        f"{cfg['bootstrap']} resamples). MRR@10 counts grade >= {cfg['rel']} as relevant.", "", *notes[:notes.index("")], "",
+        *table(rows, FIELDS), *notes[notes.index(""):]]
+    write(kept + rows, out, "\n".join([head, "", *section]), title=None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", help="a finished job's output_dir (config.json, report.json, teacher/, student/)")
     parser.add_argument("--cross-year", metavar="RUN", help="a finished hllm.recipes.realtext run's output_dir (report.json)")
+    parser.add_argument("--teacher-folds", metavar="RUN", help="a finished hllm.recipes.distilltext run's output_dir: "
+                        "its rows replace an earlier such run's in --out, every other row stays")
     parser.add_argument("--transfer", action="append", default=[], help="with --job: another BEIR-style collection to rerank")
     parser.add_argument("--transfer-queries", type=int, default=40, help="at most this many of its test queries")
     parser.add_argument("--out", default="reports/real_data.csv")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.teacher_folds:
+        if args.job or args.cross_year:
+            parser.error("--teacher-folds adds its rows to --out on its own: run the others first")
+        add_teacher_folds(Path(args.teacher_folds), Path(args.out))
+        return
     if not (args.job or args.cross_year):
-        parser.error("give --job, --cross-year, or both")
+        parser.error("give --job, --cross-year, or both (or --teacher-folds)")
     rows, sections = [], []
     if args.cross_year:
         cross, notes = cross_year_rows(Path(args.cross_year))
