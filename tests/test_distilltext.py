@@ -11,6 +11,7 @@ import pytest
 from hllm.config import load_config
 from hllm.eval.metrics import ir_metrics
 from hllm.data.readers import read_qrels, read_slates
+from hllm.model.prompts import document_text
 from hllm.recipes.distilltext import DistillTextConfig, run, share_kept, teacher_grades
 from hllm.reranker import Reranker
 
@@ -87,6 +88,23 @@ def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(dist
     b = read_slates("beir", tmp_path / "b", top_n=8)
     orders = [shipped.decode(m).permutation.tolist() for m in shipped.score_slates(b)]
     assert ir_metrics(b, orders, ["nDCG@10"])["nDCG@10"] == pytest.approx(test["methods"]["student_distilled@gold"]["nDCG@10"], abs=1e-6)
+    # relevance_score: calibrated on out-of-fold matrices, non-increasing along the ranking, its ECE on the card
+    ranked = shipped.rank(b[0].query.text, [document_text(c) for c in b[0].candidates])
+    assert all(r.relevance is not None for r in ranked)
+    assert all(x.relevance >= y.relevance for x, y in zip(ranked, ranked[1:]))
+    cal = report["calibration"]
+    assert cal["oof"]["items"] == 9 * 8 and card["relevance_score"]["ece_held_out_queries"] == pytest.approx(cal["oof"]["ece"])
+    assert cal["cross_year"]["b"]["items"] == 4 * 8
+
+
+def test_a_stopped_run_resumes_at_the_next_fold_with_the_same_figures(distilled):
+    cfg, report, _ = distilled
+    saved = sorted((Path(cfg.output_dir) / "folds").glob("fold-*.npz"))
+    assert len(saved) == 2  # one per fold
+    saved[1].unlink()  # as if the run had stopped during the second fold
+    again = run(cfg)
+    assert again["teacher_folds"]["table"] == report["teacher_folds"]["table"]
+    assert again["teacher_folds"]["chosen"] == report["teacher_folds"]["chosen"]
 
 
 def test_teacher_grades_and_the_share_of_the_gain_kept():

@@ -43,13 +43,15 @@ from hllm.data.readers import read_slates
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, kendall_tau
 from hllm.model.backbones import ModelConfig, resolve_device
+from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_sums, fit_calibrator
+from hllm.model.decoding import DECODERS
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS, Pooling
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, query_folds, state_orders
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, query_folds, score_state_slates
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_layer_states, layer_key
 
@@ -219,9 +221,13 @@ class Fitter:
         return cv_sgd(self.ranker, items, judge, self.cfg.cv_folds, train, loss, self.cfg.rel, lambda: self.new_head(v),
                       0, v.sample_items)
 
-    def orders(self, v: Variant, queries: list[Query]) -> list[list[int]]:
-        """The fitted head's Hungarian orders of `queries` (whole lists, one pass each)."""
-        return state_orders(self.ranker, self.judged(v, queries))
+    def matrices(self, v: Variant, queries: list[Query]) -> list[np.ndarray]:
+        """The fitted head's (N, K) score matrices of `queries` (whole lists, one pass each)."""
+        return score_state_slates(self.ranker, self.judged(v, queries))
+
+
+def hungarian(matrices: list[np.ndarray]) -> list[list[int]]:
+    return [DECODERS["hungarian"](m).permutation.tolist() for m in matrices]
 
 
 def _trials(cfg: DistillTextConfig) -> list[tuple[Variant, str | None]]:
@@ -245,31 +251,80 @@ def choose(records: dict[str, dict], cfg: DistillTextConfig, method: str, teache
     return max(names, key=lambda n: (round(records[n]["cv_score"], 6), -names.index(n))) if names else None
 
 
+FOLD_FIELDS = ("ranker", "layers", "collection", "teachers", "top_n", "folds", "cv_folds", "variants", "ridge_lambdas",
+               "prior_scales", "teacher_depth", "sgd_head", "train", "rel", "seed")  # what a fold's results depend on
+
+
+def fold_key(cfg: DistillTextConfig) -> str:
+    return fingerprint({k: to_dict(cfg)[k] for k in FOLD_FIELDS})
+
+
 def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) -> dict[str, Any]:
     """Every trial fitted on each fold's training queries and tested on its test queries; the methods'
-    choices per fold. -> {"orders": {trial: per query its order}, "chosen": [per fold {method@teacher: trial}], "cv": ...}."""
-    orders: dict[str, list[list[int] | None]] = {trial_name(v, t): [None] * len(queries) for v, t in _trials(cfg)}
-    chosen, cv = [], []
-    for f, (train_idx, test_idx) in enumerate(query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT)):
-        train, test = [queries[i] for i in train_idx], [queries[i] for i in test_idx]
-        records = {}
-        for v, t in _trials(cfg):
-            t0 = time.perf_counter()
-            records[trial_name(v, t)] = rec = fitter.fit(v, t, train)
-            for i, order in zip(test_idx, fitter.orders(v, test)):
-                orders[trial_name(v, t)][i] = order
-            log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, trial_name(v, t),
-                     rec["cv_score"], rec["cv_first_stage"], time.perf_counter() - t0)
-        picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
-        chosen.append({k: p for k, p in picks.items() if p})
-        cv.append({n: {k: r[k] for k in ("cv_score", "cv_first_stage") if k in r} |
-                   {k: r[k] for k in ("ridge_lambda", "prior_scale", "best_step") if k in r} for n, r in records.items()})
+    choices per fold. A finished fold is kept in `output_dir/folds` (under `fold_key`): a stopped run
+    resumes at the next fold. -> {"trial_orders": {trial: per query its order}, "trial_matrices": {trial:
+    per query its out-of-fold (N, K) matrix}, "method_orders", "method_matrices", "chosen": [per fold
+    {method@teacher: trial}], "cv": [per fold {trial: its CV record}]}."""
+    trials = [trial_name(v, t) for v, t in _trials(cfg)]
+    orders: dict[str, list] = {n: [None] * len(queries) for n in trials}
+    matrices: dict[str, list] = {n: [None] * len(queries) for n in trials}
+    chosen, cv, fold_of = [], [], {}
+    store = Path(cfg.output_dir) / "folds"
+    store.mkdir(parents=True, exist_ok=True)
+    key = fold_key(cfg)
+    splits = query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT)
+    for f, (train_idx, test_idx) in enumerate(splits):
+        fold_of |= {i: f for i in test_idx}
+        saved = store / f"fold-{f}-{key}.npz"
+        if saved.is_file():
+            with np.load(saved, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                fold_matrices = {n: [z[f"{n}/{i}"] for i in test_idx] for n in trials}
+            log.info("fold %d/%d: read from %s", f + 1, cfg.folds, saved)
+        else:
+            train, test = [queries[i] for i in train_idx], [queries[i] for i in test_idx]
+            records, fold_matrices = {}, {}
+            for v, t in _trials(cfg):
+                t0 = time.perf_counter()
+                name = trial_name(v, t)
+                records[name] = rec = fitter.fit(v, t, train)
+                fold_matrices[name] = fitter.matrices(v, test)
+                log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, name,
+                         rec["cv_score"], rec["cv_first_stage"], time.perf_counter() - t0)
+            picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
+            meta = {"chosen": {k: p for k, p in picks.items() if p},
+                    "cv": {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step") if k in r}
+                           for n, r in records.items()}}
+            tmp = store / f".tmp-{saved.name}"
+            with tmp.open("wb") as fh:
+                np.savez(fh, meta=json.dumps(meta), **{f"{n}/{i}": m for n, ms in fold_matrices.items() for i, m in zip(test_idx, ms)})
+            tmp.replace(saved)  # a fold is whole or absent
+        for n in trials:
+            for i, m in zip(test_idx, fold_matrices[n]):
+                matrices[n][i], orders[n][i] = m, hungarian([m])[0]
+        chosen.append(meta["chosen"])
+        cv.append(meta["cv"])
         log.info("fold %d/%d chose %s", f + 1, cfg.folds, chosen[-1])
-    fold_of = {i: f for f, (_, test_idx) in enumerate(query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT))
-               for i in test_idx}
-    methods = {key: [orders[chosen[fold_of[i]][key]][i] for i in range(len(queries))]
-               for key in chosen[0] if all(key in c for c in chosen)}
-    return {"trial_orders": orders, "method_orders": methods, "chosen": chosen, "cv": cv}
+    methods = [key for key in chosen[0] if all(key in c for c in chosen)]
+    return {"trial_orders": orders, "trial_matrices": matrices, "chosen": chosen, "cv": cv,
+            "method_orders": {k: [orders[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in methods},
+            "method_matrices": {k: [matrices[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in methods},
+            "fold_of": [fold_of[i] for i in range(len(queries))]}
+
+
+def calibration(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any], method: str) -> tuple[Calibrator, dict]:
+    """P(relevant) for `method`'s student from its out-of-fold matrices (each query scored by a head that
+    never saw it): the ECE on each fold's queries of a calibrator fitted on the other folds' (summed
+    over the folds: every query held out once), and the calibrator fitted on all of them (the shipped one)."""
+    mats, perms = folds["method_matrices"][method], folds["method_orders"][method]
+    grades = [q.slate.grades for q in queries]
+    sums = ReliabilitySums(10, cfg.rel)
+    for f in sorted(set(folds["fold_of"])):
+        fit = [i for i, g in enumerate(folds["fold_of"]) if g != f]
+        held = [i for i, g in enumerate(folds["fold_of"]) if g == f]
+        cal = fit_calibrator([mats[i] for i in fit], [perms[i] for i in fit], [grades[i] for i in fit], cfg.rel)
+        sums.merge(calibration_sums(cal, [mats[i] for i in held], [perms[i] for i in held], [grades[i] for i in held]))
+    return fit_calibrator(mats, perms, grades, cfg.rel), sums.report()
 
 
 def per_query(slates: list[RerankRequest], orders: list[list[int]], rel: int) -> dict[str, dict[str, float]]:
@@ -313,14 +368,16 @@ def summarize(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any
 def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query], others: dict[str, list[Query]]) -> dict[str, Any]:
     """Every trial fitted on every query of the teacher's collection (settings by CV over them) and tested
     on each of `others` (never trained on); each method's choice by the same CV score.
-    -> {"chosen", "cv", "tests": {collection: {"queries", "methods", "trials"}}, "heads": {trial: (config, weights)}}."""
-    records, heads, orders = {}, {}, {name: {} for name in others}
+    -> {"chosen", "cv", "tests": {collection: {"queries", "methods", "trials"}}, "heads": {trial: (config, weights)},
+    "matrices": {collection: {trial: per query its (N, K) matrix}}, "orders": the same' Hungarian orders}."""
+    records, heads, orders, matrices = {}, {}, {name: {} for name in others}, {name: {} for name in others}
     for v, t in _trials(cfg):
         name = trial_name(v, t)
         records[name] = fitter.fit(v, t, queries)
         heads[name] = (fitter.ranker.cfg, {k: x.detach().clone() for k, x in fitter.ranker.head.state_dict().items()})
         for other, qs in others.items():
-            orders[other][name] = fitter.orders(v, qs)
+            matrices[other][name] = fitter.matrices(v, qs)
+            orders[other][name] = hungarian(matrices[other][name])
         log.info("all %d queries %s: CV nDCG@10 %.4f (first stage %.4f)", len(queries), name, records[name]["cv_score"],
                  records[name]["cv_first_stage"])
     picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
@@ -333,12 +390,14 @@ def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query],
                         {k: mean(orders[other][p]) for k, p in picks.items()},
                         "trials": {n: mean(o) for n, o in orders[other].items()}}
     return {"chosen": picks, "cv": {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step")
-                                        if k in r} for n, r in records.items()}, "tests": tests, "heads": heads}
+                                        if k in r} for n, r in records.items()}, "tests": tests, "heads": heads,
+            "matrices": matrices, "orders": orders}
 
 
-def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict[str, Any], coverage: dict) -> dict[str, Any]:
+def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict[str, Any], coverage: dict,
+         calibrator: Calibrator, calibrated: dict[str, Any]) -> dict[str, Any]:
     """The first teacher's distilled student (the trial its CV chose, fitted on every query) saved to
-    `ship_to` with a model card that names the teacher and the data."""
+    `ship_to` with its calibration (`relevance_score`) and a model card that names the teacher and the data."""
     teacher = cfg.teachers[0]
     trial = everything["chosen"][f"student_distilled@{teacher.name}"]
     rcfg, weights = everything["heads"][trial]
@@ -346,6 +405,7 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
     ranker.head.load_state_dict(weights)
     target = Path(cfg.ship_to)
     ranker.save(target)
+    calibrator.save(target)
     cv = everything["cv"][trial]
     card = {
         "base_model": f"{rcfg.model.preset} (frozen, cut after decoder layer {rcfg.state_layer})",
@@ -363,6 +423,9 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
                                                                              f"student_distilled@{teacher.name}")},
         "cross_year": {c: t["methods"].get(f"student_distilled@{teacher.name}") for c, t in everything["tests"].items()},
         "input": "candidates in first-stage order, best first: the prior reads their ranks",
+        "relevance_score": {"what": f"calibrated P(grade >= {cfg.rel}), fitted on the out-of-fold matrices of the teacher-folds",
+                            "fitted_on": calibrator.fitted_on, "ece_held_out_queries": calibrated["oof"]["ece"],
+                            "ece_cross_year": {c: r["ece"] for c, r in calibrated["cross_year"].items()}},
     }
     write_model_card(target, card)
     (target / "recipe.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
@@ -386,11 +449,18 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
     summary = summarize(cfg, queries, folds)
     log.info("teacher-folds done in %.0fs", time.perf_counter() - t0)
     everything = fit_everything(cfg, fitter, queries, others)
+    method = f"student_distilled@{cfg.teachers[0].name}"
+    calibrator, oof = calibration(cfg, queries, folds, method)
+    shipped = everything["chosen"][method]
+    calibrated = {"method": method, "fitted_on": calibrator.fitted_on, "oof": oof, "cross_year": {
+        c: calibration_sums(calibrator, everything["matrices"][c][shipped], everything["orders"][c][shipped],
+                            [q.slate.grades for q in qs]).report() for c, qs in others.items()}}
     report = {"config": fingerprint(cfg), "collection": Path(cfg.collection).name, "coverage": coverage,
               "teacher_folds": summary | {"chosen": folds["chosen"], "cv": folds["cv"]},
-              "cross_year": {k: v for k, v in everything.items() if k != "heads"}}
+              "cross_year": {k: v for k, v in everything.items() if k not in ("heads", "matrices", "orders")},
+              "calibration": calibrated}
     if cfg.ship_to:
-        report["shipped"] = ship(cfg, everything, summary, coverage)
+        report["shipped"] = ship(cfg, everything, summary, coverage, calibrator, calibrated)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
 
@@ -422,6 +492,10 @@ def summary_lines(cfg: DistillTextConfig, report: dict[str, Any]) -> list[str]:
     for collection, test in report["cross_year"]["tests"].items():
         lines += [f"cross-year -> {collection} ({test['queries']} queries) {name}: nDCG@10 {m['nDCG@10']:.4f}"
                   for name, m in test["methods"].items()]
+    cal = report["calibration"]
+    lines.append(f"relevance_score of {cal['method']}: ECE {cal['oof']['ece']:.4f} on held-out queries ({cal['oof']['items']} items, "
+                 f"every query once, calibrated on the other folds' out-of-fold matrices)"
+                 + "".join(f"; {c} {r['ece']:.4f} ({r['items']} items)" for c, r in cal["cross_year"].items()))
     return lines
 
 if __name__ == "__main__":
