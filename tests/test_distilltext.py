@@ -11,6 +11,7 @@ import pytest
 from hllm.config import load_config
 from hllm.eval.metrics import ir_metrics
 from hllm.data.readers import read_qrels, read_slates
+from hllm.model.backbones import file_sha256
 from hllm.model.prompts import document_text
 from hllm.recipes.distilltext import DistillTextConfig, run, share_kept, teacher_grades
 from hllm.reranker import Reranker
@@ -95,6 +96,10 @@ def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(dist
     cal = report["calibration"]
     assert cal["oof"]["items"] == 9 * 8 and card["relevance_score"]["ece_held_out_queries"] == pytest.approx(cal["oof"]["ece"])
     assert cal["cross_year"]["b"]["items"] == 4 * 8
+    provenance = json.loads((tmp_path / "shipped" / "provenance.json").read_text())
+    for name, digest in provenance["sha256"].items():  # the shipped files are the ones measured
+        assert file_sha256(tmp_path / "shipped" / name) == digest, name
+    assert {"head.safetensors", "calibration.json"} <= set(provenance["sha256"]) and set(provenance["teacher_rankings_sha256"]) == {"gold", "noisy"}
 
 
 def test_a_stopped_run_resumes_at_the_next_fold_with_the_same_figures(distilled):

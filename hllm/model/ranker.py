@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hllm.config import from_dict, to_dict
-from hllm.model.backbones import ModelConfig, load_backbone, save_backbone, weights_dir
+from hllm.model.backbones import (PROVENANCE, ModelConfig, file_sha256, load_backbone, save_backbone, smollm2_gguf_path,
+                                  weights_dir)
 from hllm.model.heads import HeadConfig, build_head
 from hllm.model.item_states import POOLINGS, Pooling, pooled_item_states
 from hllm.model.prompts import PromptBuilder, PromptConfig
@@ -38,6 +39,22 @@ CARD_FILE = "model_card.json"  # what the model knows (written by the job; optio
 def write_model_card(directory: str | Path, card: dict) -> None:
     Path(directory).mkdir(parents=True, exist_ok=True)
     (Path(directory) / CARD_FILE).write_text(json.dumps(card, indent=2))
+
+
+def write_provenance(directory: str | Path, model: ModelConfig, made_by: str, recipe: dict, **measured) -> None:
+    """`provenance.json` of a shipped student: what made it (`made_by`, the whole `recipe`), what it was
+    measured at (`measured`), the hashes of its own files and of the base model file it needs."""
+    target = Path(directory)
+    base = weights_dir(model) or (smollm2_gguf_path() if model.preset == "smollm2-135m" else None)
+    base_file = base if base is not None and base.is_file() else None
+    provenance = {
+        "made_by": made_by, "recipe": recipe, **measured,
+        "sha256": {f.name: file_sha256(f) for f in sorted(target.iterdir()) if f.suffix in (".safetensors", ".json")
+                   and f.name not in (PROVENANCE, CARD_FILE)},
+        "base_model": {"preset": model.preset, "file": base_file.name if base_file else None,
+                       "sha256": file_sha256(base_file) if base_file else None},
+    }
+    (target / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
 def read_model_card(directory: str | Path) -> dict:

@@ -42,13 +42,13 @@ from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, kendall_tau
-from hllm.model.backbones import ModelConfig, resolve_device
+from hllm.model.backbones import ModelConfig, file_sha256, resolve_device
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_sums, fit_calibrator
 from hllm.model.decoding import DECODERS
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS, Pooling
 from hllm.model.prompts import PromptConfig
-from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card, write_provenance
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
 from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, query_folds, score_state_slates
@@ -428,7 +428,9 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
                             "ece_cross_year": {c: r["ece"] for c, r in calibrated["cross_year"].items()}},
     }
     write_model_card(target, card)
-    (target / "recipe.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    write_provenance(target, rcfg.model, "hllm distilltext --config <the recipe below>", to_dict(cfg), fit=cv,
+                     teacher_folds=card["teacher_folds"], cross_year=card["cross_year"],
+                     teacher_rankings_sha256={t.name: file_sha256(Path(t.rankings)) for t in cfg.teachers})
     return card
 
 

@@ -39,10 +39,11 @@ from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
 from hllm.data.splits import query_bucket
 from hllm.eval.evaluation import first_stage_order, quality
-from hllm.model.backbones import PROVENANCE, ModelConfig, file_sha256, resolve_device, smollm2_gguf_path, weights_dir
+from hllm.model.backbones import ModelConfig, resolve_device
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
+from hllm.model.ranker import write_provenance as ranker_provenance
 from hllm.records import RerankRequest
 from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_head, state_orders
 from hllm.train.loop import LossConfig, TrainConfig
@@ -282,22 +283,12 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
 
 
 def write_provenance(cfg: RealTextConfig, target: Path, record: dict[str, Any], transfer: list[dict[str, Any]]) -> None:
-    """What made the shipped student and what it was measured at, with the hashes of its own weights
-    and of the base model file it needs."""
-    base = weights_dir(cfg.ranker.model) or (smollm2_gguf_path() if cfg.ranker.model.preset == "smollm2-135m" else None)
-    base_file = base if base is not None and base.is_file() else None
-    provenance = {
-        "made_by": "python -m hllm.recipes.realtext --config <the recipe below>",
-        "recipe": to_dict(cfg),
-        "fit": {k: v for k, v in record.items() if k != "cv_grid"},
-        "transfer": [{"collection": t["collection"], "queries": t["queries"], "first_stage_nDCG@10": t["first_stage"]["nDCG@10"],
-                      "student_nDCG@10": t["student"]["nDCG@10"]} for t in transfer],
-        "sha256": {f.name: file_sha256(f) for f in sorted(target.iterdir()) if f.suffix in (".safetensors", ".json")
-                   and f.name not in (PROVENANCE, "model_card.json")},
-        "base_model": {"preset": cfg.ranker.model.preset, "file": base_file.name if base_file else None,
-                       "sha256": file_sha256(base_file) if base_file else None},
-    }
-    (target / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+    """What made the shipped student and what it was measured at (`hllm.model.ranker.write_provenance`)."""
+    ranker_provenance(target, cfg.ranker.model, "python -m hllm.recipes.realtext --config <the recipe below>", to_dict(cfg),
+                      fit={k: v for k, v in record.items() if k != "cv_grid"},
+                      transfer=[{"collection": t["collection"], "queries": t["queries"],
+                                 "first_stage_nDCG@10": t["first_stage"]["nDCG@10"], "student_nDCG@10": t["student"]["nDCG@10"]}
+                                for t in transfer])
 
 
 def main(argv: list[str] | None = None) -> None:
