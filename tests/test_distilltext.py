@@ -183,3 +183,21 @@ def test_real_data_report_takes_the_teacher_folds_rows_and_keeps_every_other_row
         ("b", "first_stage", ""), ("b", "student_distilled", "gold"), ("b", "student_distilled", "noisy")}
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# Real text") and "earlier rows" in md and md.count("## Real teachers") == 1
+
+
+def test_the_cli_records_a_finished_report_and_refuses_one_of_another_config(distilled, tmp_path, capsys):
+    import yaml
+
+    from hllm.config import to_dict
+    from pipelines.cli import main as cli
+
+    cfg, report, _ = distilled
+    config = tmp_path / "distill.yaml"
+    config.write_text(yaml.safe_dump(to_dict(cfg)))
+    store = f"tracking.tracking_uri=sqlite:///{tmp_path / 'cli.db'}"
+    report_path = str(Path(cfg.output_dir) / "report.json")
+    assert cli(["distilltext", "--config", str(config), "--report", report_path, store]) in (0, None)
+    out = capsys.readouterr().out
+    assert "teacher-folds student_distilled@gold" in out and "mlflow parent run" in out
+    assert cli(["distilltext", "--config", str(config), "--report", report_path, "cv_folds=3", store]) == 2
+    assert "another config" in capsys.readouterr().err

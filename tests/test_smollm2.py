@@ -48,23 +48,27 @@ def test_smollm2_saves_and_reloads_as_a_plain_model(tmp_path):
         assert torch.equal(model(ids).logits, again(ids).logits)
 
 
-def test_the_named_real_text_student_loads_by_name_and_matches_its_provenance():
+@pytest.mark.parametrize("name", ["smollm2-trec-dl", "smollm2-dl19-rankvicuna"])
+def test_the_named_real_text_students_load_by_name_and_match_their_provenance(name):
     import json
 
     from hllm.model.backbones import file_sha256
     from hllm.reranker import NAMED_MODELS
 
-    folder = NAMED_MODELS["smollm2-trec-dl"]
+    folder = NAMED_MODELS[name]
     provenance = json.loads((folder / "provenance.json").read_text())
     for name, digest in provenance["sha256"].items():  # the shipped files are the ones measured
         assert file_sha256(folder / name) == digest, name
     assert provenance["base_model"]["sha256"] == file_sha256(smollm2_gguf_path())  # the base the wheel installs
-    reranker = Reranker.load("smollm2-trec-dl")
-    assert reranker.default_window == 100 and len(reranker.model.body.layers) == 16 and reranker.model.cfg.pooling == "last+mean"
+    reranker = Reranker.load(name)
+    assert reranker.default_window == 100 and len(reranker.model.body.layers) == reranker.model.cfg.state_layer
+    assert reranker.model.cfg.pooling in ("last+mean", "mean", "last")
     docs = ["The aurora is caused by charged solar particles hitting the upper atmosphere.",
             "Northern Lights is a brand of lamps.", "Tomato pasta with basil.", "Auroras appear near the poles."]
     ranked = reranker.rank("what causes the northern lights", docs)
     assert is_permutation([d.index for d in ranked], len(docs))
+    if name == "smollm2-dl19-rankvicuna":  # calibrated on its teacher-folds' out-of-fold matrices
+        assert all(0 <= d.relevance <= 1 for d in ranked) and [d.relevance for d in ranked] == sorted((d.relevance for d in ranked), reverse=True)
     prompt = reranker.encode("what causes the northern lights", docs)
     assert prompt.unknown_tokens == 0  # its vocabulary is the base model's
 
