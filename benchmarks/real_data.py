@@ -90,8 +90,8 @@ def teacher_fold_rows(run: Path) -> tuple[list[dict], list[str]]:
 
     def row(coll, queries, split, method, m, teacher="", tau=None, share=None):
         return {"collection": coll, "queries": queries, "split": split, "method": method, "nDCG@10": round(m["nDCG@10"], 4),
-                "MRR@10": round(m["MRR@10"], 4), "teacher": teacher, "tau_to_teacher": "" if tau is None else round(tau, 3),
-                "share_kept": "" if share is None else round(share["share"], 2),
+                "MRR@10": round(m["MRR@10"], 4), "teacher": teacher, "tau_to_teacher": "" if tau is None else f"{tau:.3f}",
+                "share_kept": "" if share is None else f"{share['share']:.2f}",
                 "share_kept_ci95": "" if share is None else f"[{share['ci_low']:.2f}, {share['ci_high']:.2f}]"}
 
     for t in cfg["teachers"]:
