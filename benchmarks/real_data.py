@@ -155,16 +155,20 @@ def table(rows: list[dict], fields: list[str] = FIELDS[:6]) -> list[str]:
 
 
 def add_teacher_folds(run: Path, out: Path) -> None:
-    """A distilltext run's rows into `out` (CSV and its Markdown twin): rows of the same (collection,
-    split, method, teacher) and an earlier run's section are replaced, everything else stays."""
+    """A distilltext run's rows into `out` (CSV and its Markdown twin): a row of the same (collection,
+    split, method, teacher) is replaced where it stands, an earlier run's section too; everything else stays."""
     rows, notes = teacher_fold_rows(run)
     cfg = json.loads((run / "config.json").read_text())
     r = cfg["ranker"]
-    new = {(x["collection"], x["split"], x["method"], x["teacher"]) for x in rows}
-    kept = []
+    def key(x: dict) -> tuple:
+        return x["collection"], x["split"], x["method"], x.get("teacher") or ""
+
+    new = {key(x): x for x in rows}
+    merged = []  # an earlier row of the same key is replaced where it stood
     if out.is_file():
         with out.open() as f:
-            kept = [x for x in csv.DictReader(f) if (x["collection"], x["split"], x["method"], x.get("teacher") or "") not in new]
+            merged = [new.get(key(x), x) for x in csv.DictReader(f)]
+    merged += [x for x in rows if x not in merged]
     md = out.with_suffix(".md")
     head = md.read_text().split(f"\n{DISTILLED}")[0].rstrip() if md.is_file() else "# Real text: first stage, teacher, student"
     teachers = ", ".join(f"{t['name']} (`{Path(t['rankings']).name}`)" for t in cfg["teachers"])
@@ -181,7 +185,7 @@ def add_teacher_folds(run: Path, out: Path) -> None:
         "stage) / (teacher - first stage) of mean nDCG@10, 95% percentile bootstrap over queries (scipy.stats.bootstrap, "
         f"{cfg['bootstrap']} resamples). MRR@10 counts grade >= {cfg['rel']} as relevant.", "", *notes[:notes.index("")], "",
         *table(rows, FIELDS), *notes[notes.index(""):]]
-    write(kept + rows, out, "\n".join([head, "", *section]), title=None)
+    write(merged, out, "\n".join([head, "", *section]), title=None)
 
 
 def main() -> None:

@@ -163,7 +163,8 @@ def test_real_data_report_takes_the_teacher_folds_rows_and_keeps_every_other_row
 
     cfg, report, _ = distilled
     out = tmp_path / "real_data.csv"
-    out.write_text("collection,queries,split,method,nDCG@10,MRR@10\ncranfield,40,transfer-test,student,0.3903,0.5457\n")
+    out.write_text("collection,queries,split,method,nDCG@10,MRR@10\ncranfield,40,transfer-test,student,0.3903,0.5457\n"
+                   "b,4,cross-year,first_stage,0.1,0.1\nb,4,cross-year,student,0.2,0.2\n")
     out.with_suffix(".md").write_text("# Real text: first stage, teacher, student\n\nearlier rows\n")
     for _ in range(2):  # a second run replaces its own rows, never doubles them
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_data.py"), "--teacher-folds", cfg.output_dir,
@@ -171,6 +172,9 @@ def test_real_data_report_takes_the_teacher_folds_rows_and_keeps_every_other_row
         assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     assert rows[0]["collection"] == "cranfield" and rows[0]["teacher"] == ""
+    # the same (collection, split, method, teacher) is replaced where it stood: b's first stage, measured again
+    assert [(r["collection"], r["method"]) for r in rows[1:3]] == [("b", "first_stage"), ("b", "student")]
+    assert float(rows[1]["nDCG@10"]) == pytest.approx(report["cross_year"]["tests"]["b"]["methods"]["first_stage"]["nDCG@10"], abs=1e-4)
     folds = [r for r in rows if r["split"] == "teacher-folds"]
     assert len(folds) == 2 * 5  # per teacher: first stage, teacher, three students
     table, shares = report["teacher_folds"]["table"], report["teacher_folds"]["share_kept"]
@@ -179,8 +183,8 @@ def test_real_data_report_takes_the_teacher_folds_rows_and_keeps_every_other_row
     assert float(got["student_distilled", "gold"]["share_kept"]) == pytest.approx(shares["student_distilled@gold"]["share"], abs=0.005)
     assert float(got["first_stage", "noisy"]["tau_to_teacher"]) == pytest.approx(table["first_stage"]["tau_to_noisy"], abs=5e-4)
     cross = [r for r in rows if r["split"] == "cross-year"]
-    assert {(r["collection"], r["method"], r["teacher"]) for r in cross} == {
-        ("b", "first_stage", ""), ("b", "student_distilled", "gold"), ("b", "student_distilled", "noisy")}
+    assert [(r["collection"], r["method"], r["teacher"]) for r in cross] == [
+        ("b", "first_stage", ""), ("b", "student", ""), ("b", "student_distilled", "gold"), ("b", "student_distilled", "noisy")]
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# Real text") and "earlier rows" in md and md.count("## Real teachers") == 1
 
