@@ -63,12 +63,15 @@ def log_report(job: DistillTextJob, report: dict[str, Any]) -> str:
         log_metrics({"queries": folds["queries"]})
         for name, row in table.items():
             if not name.startswith("trial:"):
-                log_metrics({k: v for k, v in row.items() if k != "per_query_nDCG@10"}, prefix=f"folds.{name}.")
+                log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix=f"folds.{name}.")
         for name, share in folds["share_kept"].items():
             log_metrics(share, prefix=f"folds.{name}.share_kept.")
         for collection, test in cross["tests"].items():
             for name, m in test["methods"].items():
                 log_metrics(m, prefix=f"cross.{collection}.{name}.")
+        cal = report["calibration"]
+        log_metrics({"ece_held_out_queries": cal["oof"]["ece"]} | {f"ece.{c}": r["ece"] for c, r in cal["cross_year"].items()},
+                    prefix="calibration.")
         parent_id = parent.info.run_id
         for v in cfg.variants:
             for teacher in ([None] if v.target == "judgments" else [t.name for t in cfg.teachers]):
@@ -79,7 +82,7 @@ def log_report(job: DistillTextJob, report: dict[str, Any]) -> str:
                 with mlflow_run(child, "distilltext-trial", parent_id, **{"ablation.variant": name, "ablation.kind": "trial",
                                                                           "ablation.target": v.target}):
                     row = table[f"trial:{name}"]
-                    log_metrics({k: v for k, v in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
+                    log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
                     log_metrics({"folds_chosen": chosen, **cross["cv"][name]}, prefix="")
                     for f, cv in enumerate(folds["cv"]):
                         log_metrics(cv[name], step=f, prefix="fold_cv.")
