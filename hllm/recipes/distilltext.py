@@ -18,9 +18,13 @@ queries every variant chooses its own settings (L2 weight and prior scale, or it
 score (nDCG@10 on the held-out training queries' judgments); the chosen one ranks the fold's test
 queries once. Every query is tested once. Methods: `first_stage`, `teacher` (its run on the same
 candidates), `student_distilled` (teacher-only targets), `student_both` (teacher and judgments),
-`student_judged` (judgments only). Each variant's own test figures are kept as the ablation.
+`student_judged` (judgments only). Each variant's own test figures are kept as the ablation. A
+finished fold is kept in `output_dir/folds`: a stopped run resumes at the next fold.
 `cross_year`: distilled on every query of the teacher's collection, tested on other collections.
-`ship_to`: that student (the first teacher's) saved as a named model with its card. Writes report.json.
+`relevance_score`: the first teacher's distilled student calibrated (`hllm.model.calibration`) on its
+out-of-fold matrices; ECE on held-out queries (calibrated on the other folds') and cross-year.
+`ship_to`: that student, fitted on every query, saved with its calibration, model card and provenance.
+Writes report.json; `pipelines/distill_text.py` (`hllm distilltext`) records it in MLflow.
 """
 
 from __future__ import annotations
