@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from hllm import Reranker
 from hllm.config import load_config
@@ -44,7 +45,12 @@ def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
     # this process, to the last bit: teacher (and its free decoding), every decoder, calibration
     teacher_model, rankings = teacher_gen.run(cfg, splits=("test",))  # reused
     assert len(store.shards(rankings["test"].directory)) == 2  # 6 test slates, 4 a shard
-    local = evaluate_stage(cfg, load_teacher(teacher_model, cfg, "cpu"), tmp_path / "student", rankings["test"], "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or 1)  # as the evaluation actors run: another thread count sums floats in another order
+    try:
+        local = evaluate_stage(cfg, load_teacher(teacher_model, cfg, "cpu"), tmp_path / "student", rankings["test"], "cpu")
+    finally:
+        torch.set_num_threads(threads)
     assert report.teacher_free is not None and report.calibration is not None and report.test_slates == 6
     assert json.dumps(_untimed(local)) == json.dumps(_untimed(report))
     stage = json.loads((tmp_path / "student" / "stage.json").read_text())

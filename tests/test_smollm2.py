@@ -57,8 +57,8 @@ def test_the_named_real_text_students_load_by_name_and_match_their_provenance(na
 
     folder = NAMED_MODELS[name]
     provenance = json.loads((folder / "provenance.json").read_text())
-    for name, digest in provenance["sha256"].items():  # the shipped files are the ones measured
-        assert file_sha256(folder / name) == digest, name
+    for file, digest in provenance["sha256"].items():  # the shipped files are the ones measured
+        assert file_sha256(folder / file) == digest, file
     assert provenance["base_model"]["sha256"] == file_sha256(smollm2_gguf_path())  # the base the wheel installs
     reranker = Reranker.load(name)
     assert reranker.default_window == 100 and len(reranker.model.body.layers) == reranker.model.cfg.state_layer
