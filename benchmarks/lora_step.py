@@ -54,7 +54,7 @@ def main() -> None:
              else ModelConfig(preset="smollm2-135m", context_length=8192))
     layer = min(args.layer, 2) if args.tiny else args.layer
     slate = read_slates("beir", args.data, top_n=args.top_n)[0]
-    head = HeadConfig(kind="attention", positions=20, width=128, num_heads=4, prior="rank")
+    head = HeadConfig(kind="attention", positions=min(20, len(slate.candidates)), width=128, num_heads=4, prior="rank")
     figures = {}
     for mode in ("lora", "frozen"):
         cfg = RankerConfig(model=model, adapt=AdaptConfig(mode=mode, lora_r=args.rank, lora_alpha=2 * args.rank), head=head,

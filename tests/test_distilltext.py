@@ -205,3 +205,19 @@ def test_the_cli_records_a_finished_report_and_refuses_one_of_another_config(dis
     assert "teacher-folds student_distilled@gold" in out and "mlflow parent run" in out
     assert cli(["distilltext", "--config", str(config), "--report", report_path, "cv_folds=3", store]) == 2
     assert "another config" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_lora_step_benchmark_runs_at_a_tiny_size(tmp_path):
+    import subprocess
+    import sys
+
+    data = _beir(tmp_path / "a", queries=2, docs=6)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lora_step.py"), "--tiny", "--data", str(data),
+                           "--top-n", "6", "--rank", "2", "--steps", "1"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = {line.split(":")[0].strip(): line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    assert any(k.startswith("LoRA r=2") for k in figures) and "frozen" in figures
+    for line in proc.stdout.splitlines():
+        if line.strip().endswith(" s"):
+            assert float(line.rsplit(":", 1)[1].split()[0]) > 0
