@@ -23,7 +23,7 @@ from typing import Any
 
 from hllm.config import load_config, to_dict
 from hllm.data.cache import fingerprint
-from hllm.recipes.distilltext import DistillTextConfig, Variant, run, summary_lines, trial_name
+from hllm.recipes.distilltext import DistillTextConfig, Variant, run, summary_lines, trial_name, trials
 from pipelines.common import TrackingConfig, log_metrics, mlflow_run
 
 log = logging.getLogger("hllm")
@@ -73,21 +73,19 @@ def log_report(job: DistillTextJob, report: dict[str, Any]) -> str:
         log_metrics({"ece_held_out_queries": cal["oof"]["ece"]} | {f"ece.{c}": r["ece"] for c, r in cal["cross_year"].items()},
                     prefix="calibration.")
         parent_id = parent.info.run_id
-        for v in cfg.variants:
-            for teacher in ([None] if v.target == "judgments" else [t.name for t in cfg.teachers]):
-                name = trial_name(v, teacher)
-                child = TrialRun(v, teacher or "judgments", cfg.output_dir,
-                                 dataclasses.replace(job.tracking, run_name=name))
-                chosen = sum(name in c.values() for c in folds["chosen"])
-                with mlflow_run(child, "distilltext-trial", parent_id, **{"ablation.variant": name, "ablation.kind": "trial",
-                                                                          "ablation.target": v.target}):
-                    row = table[f"trial:{name}"]
-                    log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
-                    log_metrics({"folds_chosen": chosen, **cross["cv"][name]}, prefix="")
-                    for f, cv in enumerate(folds["cv"]):
-                        log_metrics(cv[name], step=f, prefix="fold_cv.")
-                    for collection, test in cross["tests"].items():
-                        log_metrics(test["trials"][name], prefix=f"cross.{collection}.")
+        for v, teacher in trials(cfg):
+            name = trial_name(v, teacher)
+            child = TrialRun(v, teacher or "judgments", cfg.output_dir, dataclasses.replace(job.tracking, run_name=name))
+            chosen = sum(name in c.values() for c in folds["chosen"])
+            with mlflow_run(child, "distilltext-trial", parent_id, **{"ablation.variant": name, "ablation.kind": "trial",
+                                                                      "ablation.target": v.target}):
+                row = table[f"trial:{name}"]
+                log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
+                log_metrics({"folds_chosen": chosen, **cross["cv"][name]})
+                for f, cv in enumerate(folds["cv"]):
+                    log_metrics(cv[name], step=f, prefix="fold_cv.")
+                for collection, test in cross["tests"].items():
+                    log_metrics(test["trials"][name], prefix=f"cross.{collection}.")
     return parent_id
 
 

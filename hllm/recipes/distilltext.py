@@ -29,7 +29,6 @@ Writes report.json; `pipelines/distill_text.py` (`hllm distilltext`) records it 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -41,21 +40,21 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from hllm.config import load_config, to_dict
+from hllm.config import to_dict
 from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, kendall_tau
 from hllm.model.backbones import ModelConfig, file_sha256, resolve_device
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_sums, fit_calibrator
-from hllm.model.decoding import DECODERS
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS, Pooling
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card, write_provenance
+from hllm.recipes.job import recipe_config
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, query_folds, score_state_slates
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, decode_orders, query_folds, score_state_slates
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_layer_states, layer_key
 
@@ -196,7 +195,7 @@ class Fitter:
         for q, j in zip(queries, judge):
             x = j.states
             perm = q.perms[teacher] if teacher else None
-            grades = [0 if g is None else g for g in (q.slate.grades or [None] * len(q.slate.candidates))]
+            grades = j.grades(0)  # unjudged as 0, as trec_eval scores them
             utility = None
             if v.target == "teacher":
                 utility = [float(g) for g in teacher_grades(perm, self.cfg.teacher_depth)]
@@ -230,11 +229,8 @@ class Fitter:
         return score_state_slates(self.ranker, self.judged(v, queries))
 
 
-def hungarian(matrices: list[np.ndarray]) -> list[list[int]]:
-    return [DECODERS["hungarian"](m).permutation.tolist() for m in matrices]
 
-
-def _trials(cfg: DistillTextConfig) -> list[tuple[Variant, str | None]]:
+def trials(cfg: DistillTextConfig) -> list[tuple[Variant, str | None]]:
     """Every (variant, teacher) to fit: a judgments-only variant once, the others once per teacher."""
     return [(v, None) if v.target == "judgments" else (v, t.name) for v in cfg.variants
             for t in (cfg.teachers[:1] if v.target == "judgments" else cfg.teachers)]
@@ -269,9 +265,9 @@ def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) 
     resumes at the next fold. -> {"trial_orders": {trial: per query its order}, "trial_matrices": {trial:
     per query its out-of-fold (N, K) matrix}, "method_orders", "method_matrices", "chosen": [per fold
     {method@teacher: trial}], "cv": [per fold {trial: its CV record}]}."""
-    trials = [trial_name(v, t) for v, t in _trials(cfg)]
-    orders: dict[str, list] = {n: [None] * len(queries) for n in trials}
-    matrices: dict[str, list] = {n: [None] * len(queries) for n in trials}
+    names = [trial_name(v, t) for v, t in trials(cfg)]
+    orders: dict[str, list] = {n: [None] * len(queries) for n in names}
+    matrices: dict[str, list] = {n: [None] * len(queries) for n in names}
     chosen, cv, fold_of = [], [], {}
     store = Path(cfg.output_dir) / "folds"
     store.mkdir(parents=True, exist_ok=True)
@@ -283,12 +279,12 @@ def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) 
         if saved.is_file():
             with np.load(saved, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
-                fold_matrices = {n: [z[f"{n}/{i}"] for i in test_idx] for n in trials}
+                fold_matrices = {n: [z[f"{n}/{i}"] for i in test_idx] for n in names}
             log.info("fold %d/%d: read from %s", f + 1, cfg.folds, saved)
         else:
             train, test = [queries[i] for i in train_idx], [queries[i] for i in test_idx]
             records, fold_matrices = {}, {}
-            for v, t in _trials(cfg):
+            for v, t in trials(cfg):
                 t0 = time.perf_counter()
                 name = trial_name(v, t)
                 records[name] = rec = fitter.fit(v, t, train)
@@ -303,9 +299,9 @@ def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) 
             with tmp.open("wb") as fh:
                 np.savez(fh, meta=json.dumps(meta), **{f"{n}/{i}": m for n, ms in fold_matrices.items() for i, m in zip(test_idx, ms)})
             tmp.replace(saved)  # a fold is whole or absent
-        for n in trials:
+        for n in names:
             for i, m in zip(test_idx, fold_matrices[n]):
-                matrices[n][i], orders[n][i] = m, hungarian([m])[0]
+                matrices[n][i], orders[n][i] = m, decode_orders([m])[0]
         chosen.append(meta["chosen"])
         cv.append(meta["cv"])
         log.info("fold %d/%d chose %s", f + 1, cfg.folds, chosen[-1])
@@ -375,13 +371,13 @@ def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query],
     -> {"chosen", "cv", "tests": {collection: {"queries", "methods", "trials"}}, "heads": {trial: (config, weights)},
     "matrices": {collection: {trial: per query its (N, K) matrix}}, "orders": the same' Hungarian orders}."""
     records, heads, orders, matrices = {}, {}, {name: {} for name in others}, {name: {} for name in others}
-    for v, t in _trials(cfg):
+    for v, t in trials(cfg):
         name = trial_name(v, t)
         records[name] = fitter.fit(v, t, queries)
         heads[name] = (fitter.ranker.cfg, {k: x.detach().clone() for k, x in fitter.ranker.head.state_dict().items()})
         for other, qs in others.items():
             matrices[other][name] = fitter.matrices(v, qs)
-            orders[other][name] = hungarian(matrices[other][name])
+            orders[other][name] = decode_orders(matrices[other][name])
         log.info("all %d queries %s: CV nDCG@10 %.4f (first stage %.4f)", len(queries), name, records[name]["cv_score"],
                  records[name]["cv_first_stage"])
     picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
@@ -472,13 +468,7 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML (e.g. configs/distilltext/smollm2-dl19-rankvicuna.yaml); key=value overrides win")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(DistillTextConfig, args.config, args.overrides)
-    log.info("config: %s", json.dumps(to_dict(cfg)))
+    cfg = recipe_config(DistillTextConfig, __doc__, argv, "configs/distilltext/smollm2-dl19-rankvicuna.yaml")
     t0 = time.perf_counter()
     report = run(cfg)
     print("\n".join(summary_lines(cfg, report)))

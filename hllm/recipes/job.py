@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from hllm.config import ConfigError
+from hllm.config import ConfigError, load_config, to_dict
 from hllm.data.splits import DataConfig
 from hllm.eval.evaluation import EvalConfig
 from hllm.model.backbones import ModelConfig
@@ -114,6 +116,19 @@ def student_ranker_config(cfg: JobConfig, teacher_model: ModelConfig) -> RankerC
 
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+
+def recipe_config(cls: type, doc: str, argv: list[str] | None, example: str):
+    """A recipe's command line: `--config FILE` (required) and `key=value` overrides -> its config
+    (logging set up, the config logged)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--config", required=True, help=f"YAML (e.g. {example}); key=value overrides win")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    cfg = load_config(cls, args.config, args.overrides)
+    logging.getLogger("hllm").info("config: %s", json.dumps(to_dict(cfg)))
+    return cfg
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,6 @@ collections (never trained on: their hashed test split). Writes `report.json`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -34,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-from hllm.config import load_config, to_dict
+from hllm.config import to_dict
 from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
 from hllm.data.splits import query_bucket
@@ -44,6 +43,7 @@ from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
 from hllm.model.ranker import write_provenance as ranker_provenance
+from hllm.recipes.job import recipe_config
 from hllm.records import RerankRequest
 from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_head, state_orders
 from hllm.train.loop import LossConfig, TrainConfig
@@ -292,13 +292,7 @@ def write_provenance(cfg: RealTextConfig, target: Path, record: dict[str, Any], 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML (e.g. configs/realtext-smollm2.yaml); key=value overrides win")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(RealTextConfig, args.config, args.overrides)
-    log.info("config: %s", json.dumps(to_dict(cfg)))
+    cfg = recipe_config(RealTextConfig, __doc__, argv, "configs/realtext/smollm2-trec-dl.yaml")
     t0 = time.perf_counter()
     report = run(cfg)
     for row in report["folds"]:

@@ -95,7 +95,12 @@ def score_state_slates(ranker: SinglePassRanker, items: Sequence[StateSlate], ba
 
 
 def state_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder: str = "hungarian") -> list[list[int]]:
-    return [DECODERS[decoder](m).permutation.tolist() for m in score_state_slates(ranker, items)]
+    return decode_orders(score_state_slates(ranker, items), decoder)
+
+
+def decode_orders(matrices: Sequence[np.ndarray], decoder: str = "hungarian") -> list[list[int]]:
+    """Per (N, K) matrix its decoded order, best first."""
+    return [DECODERS[decoder](m).permutation.tolist() for m in matrices]
 
 
 def _batches(items: list[StateSlate], cfg: TrainConfig, sample_items: int | None) -> Iterator[list[StateSlate]]:
