@@ -45,13 +45,13 @@ from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, kendall_tau
-from hllm.model.backbones import ModelConfig, file_sha256, resolve_device
+from hllm.model.backbones import ModelConfig, file_sha256
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_sums, fit_calibrator
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS, Pooling
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card, write_provenance
-from hllm.recipes.job import recipe_config
+from hllm.recipes.job import recipe_config, start_recipe
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
 from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, decode_orders, query_folds, score_state_slates
@@ -436,12 +436,8 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
 
 def run(cfg: DistillTextConfig) -> dict[str, Any]:
     """Teacher-folds, then every query for the cross-year tests and the shipped student. -> the report."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    ranker = SinglePassRanker.build(cfg.ranker).to(resolve_device(cfg.device)).eval()
+    ranker = start_recipe(cfg)
     queries, coverage = load_queries(cfg, ranker, cfg.collection, cfg.teachers)
     others = {Path(p).name: load_queries(cfg, ranker, p, [])[0] for p in cfg.cross_year}
     width = queries[0].states[cfg.layers[0]].shape[1] // len(POOLINGS[cfg.ranker.pooling])

@@ -18,10 +18,10 @@ from typing import Literal
 from hllm.config import ConfigError, load_config, to_dict
 from hllm.data.splits import DataConfig
 from hllm.eval.evaluation import EvalConfig
-from hllm.model.backbones import ModelConfig
+from hllm.model.backbones import ModelConfig, resolve_device
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
-from hllm.model.ranker import AdaptConfig, RankerConfig
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.teacher.generation import TeacherConfig
 from hllm.train.loop import BootstrapConfig, LossConfig, TrainConfig
 
@@ -129,6 +129,19 @@ def recipe_config(cls: type, doc: str, argv: list[str] | None, example: str):
     cfg = load_config(cls, args.config, args.overrides)
     logging.getLogger("hllm").info("config: %s", json.dumps(to_dict(cfg)))
     return cfg
+
+
+def start_recipe(cfg) -> SinglePassRanker:
+    """A states recipe's start: torch threads set, `output_dir` made with the config in it
+    (`config.json`), the frozen ranker built on the device -> that ranker, in eval mode."""
+    import torch
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    return SinglePassRanker.build(cfg.ranker).to(resolve_device(cfg.device)).eval()
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

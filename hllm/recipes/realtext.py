@@ -38,12 +38,12 @@ from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
 from hllm.data.splits import query_bucket
 from hllm.eval.evaluation import first_stage_order, quality
-from hllm.model.backbones import ModelConfig, resolve_device
+from hllm.model.backbones import ModelConfig
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
 from hllm.model.ranker import write_provenance as ranker_provenance
-from hllm.recipes.job import recipe_config
+from hllm.recipes.job import recipe_config, start_recipe
 from hllm.records import RerankRequest
 from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_head, state_orders
 from hllm.train.loop import LossConfig, TrainConfig
@@ -214,12 +214,8 @@ def _spread(rows: list[dict[str, float]], key: str) -> float:
 
 def run(cfg: RealTextConfig) -> dict[str, Any]:
     """Every fold, then the shipped head and its transfer checks. -> the report (also report.json)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    ranker = SinglePassRanker.build(cfg.ranker).to(resolve_device(cfg.device)).eval()
+    ranker = start_recipe(cfg)
     data = Collections(cfg, ranker)
     report: dict[str, Any] = {"config": fingerprint(cfg), "folds": [], "shipped": None, "transfer": []}
     for fold in cfg.folds:
