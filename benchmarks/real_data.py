@@ -67,17 +67,30 @@ def cross_year_rows(run: Path) -> tuple[list[dict], list[str]]:
         n, seeds = fold["queries"], len(fold["seeds"])
         rows += [{"collection": fold["collection"], "queries": n, "split": "cross-year", "method": method,
                   "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
-                 for method, m in (("first_stage", fold["first_stage"]), ("student", fold["student"]))]
+                 for method, m in _methods(fold)]
         notes.append(f"- {fold['collection']} ({n} queries) trained on {' + '.join(fold['trained_on'])}: student "
                      f"nDCG@10 {fold['student']['nDCG@10']:.4f} ± {fold['student_nDCG@10_sd']:.4f} (sd over {seeds} seeds: "
                      + ", ".join(f"{r['nDCG@10']:.4f}" for r in fold["student_per_seed"]) + f"); {chosen(fold['training'][0])}")
     for t in report["transfer"]:
         rows += [{"collection": t["collection"], "queries": t["queries"], "split": "transfer-test", "method": method,
                   "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
-                 for method, m in (("first_stage", t["first_stage"]), ("student", t["student"]))]
+                 for method, m in _methods(t)]
+    for row, split in [*((f, "cross-year") for f in report["folds"]), *((t, "transfer-test") for t in report["transfer"])]:
+        if "trust" in row:
+            trust = row["trust"]
+            notes.append(f"- domain guard, {row['collection']} ({split}): mean trust {trust['mean']:.2f}; "
+                         f"{trust['fallback_share']:.0%} of {row['queries']} queries fell back to the first-stage order, "
+                         f"{trust['partial_share']:.0%} partly (student {row['student']['nDCG@10']:.4f}, unguarded "
+                         f"{row['student_unguarded']['nDCG@10']:.4f}, first stage {row['first_stage']['nDCG@10']:.4f})")
     if report["shipped"]:
         notes.append(f"- shipped student, fitted on {report['shipped']['train_queries']} queries of both years: {chosen(report['shipped'])}")
     return rows, notes
+
+
+def _methods(row: dict) -> list[tuple[str, dict]]:
+    """A realtext report row's methods: the first stage, the student and, with a domain guard, the student without it."""
+    return [("first_stage", row["first_stage"]), ("student", row["student"]),
+            *([("student_unguarded", row["student_unguarded"])] if "student_unguarded" in row else [])]
 
 
 def teacher_fold_rows(run: Path) -> tuple[list[dict], list[str]]:
@@ -222,7 +235,12 @@ def main() -> None:
             f"{r['prompt']['max_doc_tokens']} tokens), as `hllm rerank` does with this model. `cross-year`: every judged "
             f"query of the test year, fitted on the other year (whose own queries choose the settings); the student's "
             f"figures are means over {len(cfg['seeds'])} seed(s). `transfer-test`: the shipped student (both years) on the hashed test split of "
-            f"a collection never trained on. MRR@10 counts grade >= {cfg['rel']} as relevant.", "", *notes, ""]
+            f"a collection never trained on. "
+            + ("`student` carries the domain guard (`ranker.head.guard: distance`, hllm.model.heads.DomainGuard: a query whose "
+               "passages' states lie farther from the training data than any held-out training query's falls back toward "
+               "the first-stage order; thresholds from the training queries alone); `student_unguarded` is the same head "
+               "without it. " if r["head"].get("guard", "none") != "none" else "")
+            + f"MRR@10 counts grade >= {cfg['rel']} as relevant.", "", *notes, ""]
     if not args.job:
         write(rows, Path(args.out), "\n".join(sections + table(rows)))
         return

@@ -32,7 +32,7 @@ def tiny_config(tmp_path: Path, **extra) -> RealTextConfig:
 
 
 RIDGE = {"fit": "ridge", "cv_folds": 2, "ranker.head.kind": "utility", "ranker.head.prior": "logrank", "seeds": "[0]",
-         "ranker.pooling": "last+mean"}  # the shipped recipe's shape
+         "ranker.pooling": "last+mean", "ranker.head.guard": "distance"}  # the shipped recipe's shape
 
 
 @pytest.mark.parametrize("fit", ["sgd", "ridge"])
@@ -69,8 +69,14 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["collection"], r["split"], r["method"]): r for r in csv.DictReader(out.open())}
+    guarded = {("b", "cross-year", "student_unguarded"), ("c", "transfer-test", "student_unguarded")} if fit == "ridge" else set()
     assert set(rows) == {("b", "cross-year", "first_stage"), ("b", "cross-year", "student"),
-                         ("c", "transfer-test", "first_stage"), ("c", "transfer-test", "student")}
+                         ("c", "transfer-test", "first_stage"), ("c", "transfer-test", "student")} | guarded
+    if fit == "ridge":  # the guard's trust, and the same head without it, on every test set
+        for row in (fold, transfer):
+            assert 0 <= row["trust"]["mean"] <= 1 and 0 <= row["student_unguarded"]["nDCG@10"] <= 1
+        assert report["shipped"]["guard"]["guard_high"] > report["shipped"]["guard"]["guard_low"]
+        assert "domain guard, c (transfer-test): mean trust" in out.with_suffix(".md").read_text()
     assert float(rows["b", "cross-year", "student"]["nDCG@10"]) == round(fold["student"]["nDCG@10"], 4)
     assert rows["c", "transfer-test", "student"]["queries"] == "4" and "| c | 4 | transfer-test |" in out.with_suffix(".md").read_text()
     # states are reused: a second run computes none

@@ -13,12 +13,19 @@ A first-stage prior (`prior: rank`) wraps any of them: the scores are a rank pri
 n-th input item at rank n, plus the head's output as a residual scaled by a per-slate gate. The
 residual's read-out starts at zero, so an untrained head returns the input (first-stage) order
 exactly, and training moves away from it only as far as the loss pays for.
+
+A domain guard (`guard: distance`, under a prior) scales that residual by a per-slate trust in
+[0, 1] read off how far the slate's item states lie from the training items' (`DomainGuard`): 1 on
+data like the training data, 0 (the first-stage order, exactly) on a slate farther than any held-out
+training slate was by a margin. Its statistics are fitted with the head (`hllm.train.head_fit.fit_guard`)
+and saved with it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,8 +46,16 @@ class HeadConfig:
     dropout: float = 0.0  # attention head: dropout while training
     prior: Literal["none", "rank", "logrank"] = "none"  # first-stage rank prior + gated learned residual (hllm.model.heads.PRIORS)
     prior_strength: float = 1.0  # rank prior: initial beta of -beta * (log(1 + n) - log(1 + k))^2 (learned)
+    # under a prior: scale the residual by a per-slate trust from the states' distance to the training
+    # data (hllm.model.heads.DomainGuard), falling back to the first-stage order where it is far
+    guard: Literal["none", "distance"] = "none"
+    guard_rank: int = 64  # distance guard: principal directions of the training states kept
 
     def __post_init__(self) -> None:
+        if self.guard != "none" and self.prior == "none":
+            raise ValueError("head.guard falls back toward the first-stage order: it needs a head.prior (rank or logrank)")
+        if self.guard_rank < 1:
+            raise ValueError("head.guard_rank must be >= 1")
         if self.positions < 1:
             raise ValueError("head.positions (K) must be >= 1")
         if self.prior_strength <= 0:
@@ -192,16 +207,67 @@ def rank_prior(n: int, k: int, device: torch.device | None = None) -> torch.Tens
     return -(f[:n, None] - f[None, :k]) ** 2  # (N, K)
 
 
+class DomainGuard(nn.Module):
+    """Per-slate trust in [0, 1] from the distance of its item states to the training items'.
+
+    An item's distance is a Mahalanobis distance under the training states' covariance, kept as its R
+    principal directions (each scaled by its variance) plus the residual's mean variance for the rest
+    (the PCA-plus-residual form of Mahalanobis OOD scores), divided by D: ~1 for an item like the training
+    items. A slate's distance is its items' mean. Trust is 1 up to `low`, 0 from `high`, linear between;
+    an unfitted guard (low = high = inf) trusts every slate. Buffers only: fitted in closed form
+    (`hllm.train.head_fit.fit_guard`), saved in the head's state dict."""
+
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        rank = min(rank, hidden)
+        self.register_buffer("mean", torch.zeros(hidden))  # (D,)
+        self.register_buffer("basis", torch.zeros(rank, hidden))  # (R, D) orthonormal rows
+        self.register_buffer("inv_var", torch.zeros(rank))  # (R,) 1 / variance along each direction
+        self.register_buffer("inv_rest", torch.zeros(()))  # 1 / mean variance off the directions
+        self.register_buffer("low", torch.tensor(math.inf))
+        self.register_buffer("high", torch.tensor(math.inf))
+
+    def distance(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
+        """(B, N, D) states, (B, N) mask -> (B,) the mean over real items of d^2 / D."""
+        x = items.float() - self.mean  # (B, N, D)
+        proj = x @ self.basis.T  # (B, N, R)
+        rest = (x * x).sum(-1) - (proj * proj).sum(-1)  # (B, N) squared norm off the directions
+        d2 = (proj * proj * self.inv_var).sum(-1) + rest.clamp_min(0) * self.inv_rest  # (B, N)
+        mask = item_mask.to(d2.dtype)
+        return (d2 * mask).sum(1) / mask.sum(1).clamp_min(1.0) / items.shape[-1]  # (B,)
+
+    def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
+        """-> (B,) trust in [0, 1]."""
+        d = self.distance(items, item_mask)  # (B,)
+        ramp = ((self.high - d) / (self.high - self.low)).clamp(0.0, 1.0)
+        return torch.where(d <= self.low, torch.ones_like(d), ramp)  # an unfitted guard: 1
+
+    @contextmanager
+    @torch.no_grad()
+    def suspended(self) -> Iterator[None]:
+        """Trusts every slate inside the block (the unguarded head, for an ablation); restored after."""
+        low, high = self.low.clone(), self.high.clone()
+        self.low.fill_(math.inf)
+        self.high.fill_(math.inf)
+        try:
+            yield
+        finally:
+            self.low.copy_(low)
+            self.high.copy_(high)
+
+
 class RankPriorHead(nn.Module):
     """scores = beta * prior + gate * residual: the input order until training says otherwise.
 
     beta (the prior's sharpness) is learned, from `prior_strength`; the gate, 2 * sigmoid of a
     linear map of the slate's mean item state, lets a slate trust the residual more or less
-    (1 at initialisation); the residual head's read-out starts at zero."""
+    (1 at initialisation); the residual head's read-out starts at zero. A `guard` (`DomainGuard`)
+    multiplies the residual by its trust in the slate, so an untrusted slate keeps the input order."""
 
     def __init__(self, residual: nn.Module, hidden: int, cfg: HeadConfig):
         super().__init__()
         self.kind = cfg.prior
+        self.guard = DomainGuard(hidden, cfg.guard_rank) if cfg.guard == "distance" else None
         self.residual = residual
         nn.init.zeros_(residual.readout.weight)
         nn.init.zeros_(residual.readout.bias)
@@ -217,6 +283,8 @@ class RankPriorHead(nn.Module):
         mask = item_mask[:, :, None].to(items.dtype)  # (B, N, 1)
         pooled = (self.gate_norm(items) * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # (B, D) mean over real items
         gate = 2 * torch.sigmoid(self.gate(pooled))[:, :, None]  # (B, 1, 1)
+        if self.guard is not None:
+            gate = gate * self.guard(items, item_mask).to(gate.dtype)[:, None, None]  # (B, 1, 1)
         prior = PRIOR_MATRICES[self.kind](n, k, items.device).to(residual.dtype)  # (N, K)
         return self.log_beta.exp().to(residual.dtype) * prior + gate * residual  # (B, N, K)
 

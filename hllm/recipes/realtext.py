@@ -45,7 +45,7 @@ from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write
 from hllm.model.ranker import write_provenance as ranker_provenance
 from hllm.recipes.job import recipe_config, start_recipe
 from hllm.records import RerankRequest
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_head, state_orders
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, state_orders
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_states, states_key
 
@@ -156,7 +156,17 @@ def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextC
     """A new head trained on `items`, its number of steps chosen on their own queries: by
     `cv_folds`-fold cross-validation (the step with the best mean held-out nDCG@10 over the folds,
     then one head trained on all of them up to that step of the same schedule), or by one hashed
-    validation split (`cv_folds` < 2)."""
+    validation split (`cv_folds` < 2). A head with a domain guard then fits it on the same slates
+    (`hllm.train.head_fit.fit_guard`: its thresholds from their own held-out distances)."""
+    record = _train_head(ranker, items, cfg, seed)
+    if cfg.ranker.head.guard != "none":
+        record["guard"] = fit_guard(ranker, items, max(cfg.cv_folds, 2))
+        log.info("    domain guard: trust 1 up to distance %.3f, 0 from %.3f (held-out training slates: median %.3f)",
+                 record["guard"]["guard_low"], record["guard"]["guard_high"], record["guard"]["guard_heldout_median"])
+    return record
+
+
+def _train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfig, seed: int) -> dict[str, Any]:
     if cfg.fit == "ridge":
         return _ridge(ranker, items, cfg)
     if cfg.cv_folds >= 2:
@@ -204,6 +214,26 @@ def measure(ranker: SinglePassRanker, items: list[StateSlate], rel: int) -> dict
     return quality(slates, state_orders(ranker, items), rel)
 
 
+def guarded(ranker: SinglePassRanker, items: list[StateSlate], rel: int) -> dict[str, Any]:
+    """With a domain guard: the same head without it (the ablation) and how far the guard trusted the
+    slates (mean trust; shares of slates fully and partly fallen back to the first stage). {} without."""
+    guard = getattr(ranker.head, "guard", None)
+    if guard is None:
+        return {}
+    trust = guard_trust(ranker, items)
+    with guard.suspended():
+        unguarded = measure(ranker, items, rel)
+    return {"student_unguarded": unguarded, "trust": {"mean": float(trust.mean()), "fallback_share": float((trust == 0).mean()),
+                                                       "partial_share": float(((trust > 0) & (trust < 1)).mean())}}
+
+
+def _guard_note(row: dict[str, Any]) -> str:
+    if "trust" not in row:
+        return ""
+    return (f" (unguarded {row['student_unguarded']['nDCG@10']:.4f}; guard: mean trust {row['trust']['mean']:.2f}, "
+            f"{row['trust']['fallback_share']:.0%} of queries fell back to the first stage, {row['trust']['partial_share']:.0%} partly)")
+
+
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
 
@@ -226,6 +256,7 @@ def run(cfg: RealTextConfig) -> dict[str, Any]:
                      [collection_name(p) for p in fold.test_on], seed)
             record = train_head(ranker, train, cfg, seed)
             record["test"] = {collection_name(p): measure(ranker, data.items(p), cfg.rel) for p in fold.test_on}
+            record["guarded"] = {collection_name(p): guarded(ranker, data.items(p), cfg.rel) for p in fold.test_on}
             runs.append(record)
         for path in fold.test_on:
             name, items = collection_name(path), data.items(path)
@@ -233,9 +264,10 @@ def run(cfg: RealTextConfig) -> dict[str, Any]:
             row = {"collection": name, "queries": len(items), "trained_on": [collection_name(p) for p in fold.train_on],
                    "first_stage": quality([i.slate for i in items], first_stage_order([i.slate for i in items]), cfg.rel),
                    "student": _mean(per_seed), "student_nDCG@10_sd": _spread(per_seed, "nDCG@10"),
-                   "student_per_seed": per_seed, "seeds": cfg.seeds, "training": runs}
-            log.info("fold -> %s (%d queries): first stage %.4f, student %.4f +- %.4f over %d seeds", name, len(items),
-                     row["first_stage"]["nDCG@10"], row["student"]["nDCG@10"], row["student_nDCG@10_sd"], len(cfg.seeds))
+                   "student_per_seed": per_seed, "seeds": cfg.seeds, "training": runs, **runs[0]["guarded"][name]}
+            log.info("fold -> %s (%d queries): first stage %.4f, student %.4f +- %.4f over %d seeds%s", name, len(items),
+                     row["first_stage"]["nDCG@10"], row["student"]["nDCG@10"], row["student_nDCG@10_sd"], len(cfg.seeds),
+                     _guard_note(row))
             report["folds"].append(row)
     if cfg.ship_to:
         report["shipped"], report["transfer"] = ship(cfg, ranker, data)
@@ -256,7 +288,9 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
         slates = [i.slate for i in t_items]
         transfer.append({"collection": collection_name(path), "queries": len(t_items),
                          "first_stage": quality(slates, first_stage_order(slates), cfg.rel),
-                         "student": measure(ranker, t_items, cfg.rel)})
+                         "student": measure(ranker, t_items, cfg.rel), **guarded(ranker, t_items, cfg.rel)})
+        log.info("shipped -> %s (%d queries): first stage %.4f, student %.4f%s", transfer[-1]["collection"], len(t_items),
+                 transfer[-1]["first_stage"]["nDCG@10"], transfer[-1]["student"]["nDCG@10"], _guard_note(transfer[-1]))
     write_model_card(target, {
         "base_model": f"{cfg.ranker.model.preset} (frozen, cut after decoder layer {cfg.ranker.state_layer})",
         "pooling": cfg.ranker.pooling,
@@ -294,10 +328,10 @@ def main(argv: list[str] | None = None) -> None:
     for row in report["folds"]:
         print(f"{' + '.join(row['trained_on'])} -> {row['collection']} ({row['queries']} queries): first stage "
               f"{row['first_stage']['nDCG@10']:.4f}, student {row['student']['nDCG@10']:.4f} +- {row['student_nDCG@10_sd']:.4f} "
-              f"({len(row['seeds'])} seeds)")
+              f"({len(row['seeds'])} seeds){_guard_note(row)}")
     for row in report["transfer"]:
         print(f"shipped -> {row['collection']} ({row['queries']} queries, never trained on): first stage "
-              f"{row['first_stage']['nDCG@10']:.4f}, student {row['student']['nDCG@10']:.4f}")
+              f"{row['first_stage']['nDCG@10']:.4f}, student {row['student']['nDCG@10']:.4f}{_guard_note(row)}")
     print(f"total {time.perf_counter() - t0:.0f}s; report: {Path(cfg.output_dir) / 'report.json'}")
 
 

@@ -255,6 +255,71 @@ def cv_sgd(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Sequenc
     return {"best_step": best, "cv_score": mean[best], "cv_first_stage": mean[0], "cv_curve": mean}
 
 
+# ---- the domain guard: how far a slate's states lie from the training data -------------------------
+@torch.no_grad()
+def guard_statistics(states: Sequence[torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """The training items' distribution as a `DomainGuard` keeps it, from per-slate (N, D) states:
+    mean, the `rank` principal directions with 1 / their variances, 1 / the mean variance of the rest."""
+    x = torch.cat(list(states)).double()  # (M, D)
+    mean = x.mean(0)  # (D,)
+    xc = x - mean
+    var, vecs = torch.linalg.eigh(xc.T @ xc / max(len(x) - 1, 1))  # ascending: (D,), (D, D)
+    var, vecs = var.flip(0).clamp_min(0), vecs.flip(1)
+    r = min(rank, x.shape[1])
+    floor = max(float(var[0]) * 1e-6, 1e-12)  # a direction the training data never moved along is not free
+    rest = var[r:].mean() if r < x.shape[1] else torch.tensor(floor, dtype=var.dtype)
+    return {"mean": mean.float(), "basis": vecs[:, :r].T.float(), "inv_var": (1.0 / var[:r].clamp_min(floor)).float(),
+            "inv_rest": (1.0 / rest.clamp_min(floor)).float()}
+
+
+@torch.no_grad()
+def guard_distances(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarray:
+    """(len(items),) each slate's distance to the training data under the ranker's fitted guard."""
+    guard = _guard(ranker)
+    return np.array([float(guard.distance(i.states[None].to(ranker.device),
+                                          torch.ones(1, len(i.states), dtype=torch.bool, device=ranker.device)))
+                     for i in items])
+
+
+@torch.no_grad()
+def guard_trust(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarray:
+    """(len(items),) the trust in [0, 1] the ranker's guard gives each slate."""
+    guard = _guard(ranker)
+    d = torch.from_numpy(guard_distances(ranker, items)).to(guard.low)
+    return torch.where(d <= guard.low, 1.0, ((guard.high - d) / (guard.high - guard.low)).clamp(0, 1)).cpu().numpy()
+
+
+def _guard(ranker: SinglePassRanker):
+    guard = getattr(ranker.head, "guard", None)
+    if guard is None:
+        raise ValueError("the ranker's head has no domain guard: set ranker.head.guard=distance (with a prior)")
+    return guard
+
+
+@torch.no_grad()
+def fit_guard(ranker: SinglePassRanker, items: Sequence[StateSlate], k: int) -> dict[str, float]:
+    """Fits the head's `DomainGuard` on the training slates `items`, its thresholds set by their own
+    held-out distances: k-fold over queries, each fold's slates measured against the others' statistics.
+    Trust is 1 up to the largest held-out distance (every training query, held out, would have been
+    trusted), 0 beyond it by as much again as it lies above their median. Then the statistics of every
+    slate are kept. -> {"guard_low", "guard_high", "guard_heldout_median", "guard_heldout_max"}."""
+    guard = _guard(ranker)
+
+    def load(stats: dict[str, torch.Tensor]) -> None:
+        for name, value in stats.items():
+            getattr(guard, name).copy_(value.to(getattr(guard, name)))
+
+    held_out = np.empty(len(items))
+    for train, held in query_folds(len(items), [i.slate.slate_id for i in items], k, salt="guard"):
+        load(guard_statistics([items[i].states for i in train], guard.basis.shape[0]))
+        held_out[held] = guard_distances(ranker, _pick(items, held))
+    load(guard_statistics([i.states for i in items], guard.basis.shape[0]))
+    median, top = float(np.median(held_out)), float(held_out.max())
+    guard.low.fill_(top)
+    guard.high.fill_(top + max(top - median, 1e-6))
+    return {"guard_low": top, "guard_high": float(guard.high), "guard_heldout_median": median, "guard_heldout_max": top}
+
+
 def judged_ndcg(ranker: SinglePassRanker, items: Sequence[StateSlate], rel: int) -> float:
     return quality([i.slate for i in items], state_orders(ranker, items), rel)["nDCG@10"]
 
