@@ -31,7 +31,7 @@ def bodies(n_docs: int, count: int) -> list[dict]:
     return [{"query": s.query.text, "documents": [c.text for c in s.candidates]} for s in splits["test"]]
 
 
-def load(payloads: list[dict], concurrency: int, url: str = URL) -> dict:
+def load(payloads: list[dict], concurrency: int, url: str = URL, timeout: float = 60) -> dict:
     """Closed-loop clients, each with a keep-alive session (as a real client keeps its connection)."""
     latencies, errors = [], 0
     local = threading.local()
@@ -44,7 +44,7 @@ def load(payloads: list[dict], concurrency: int, url: str = URL) -> dict:
     def one(body: dict) -> float | None:
         t0 = time.perf_counter()
         try:
-            r = session().post(url, json=body, timeout=60)
+            r = session().post(url, json=body, timeout=timeout)
             elapsed = time.perf_counter() - t0
         except requests.RequestException:
             return None

@@ -180,17 +180,24 @@ class Reranker:
         batch = collate(list(prompts), self.model.tokenizer.pad_token_id)
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    @torch.inference_mode()
     def score_encoded(self, prompts: Sequence[EncodedPrompt]) -> list[np.ndarray]:
         """One forward pass for all prompts (several under `max_batch_tokens`) -> per prompt its
         (n, min(K, n)) float32 score matrix."""
+        return [matrix for matrix, _ in self.score_with_trust(prompts)]
+
+    @torch.inference_mode()
+    def score_with_trust(self, prompts: Sequence[EncodedPrompt]) -> list[tuple[np.ndarray, float | None]]:
+        """`score_encoded`, each matrix with the model's domain-guard trust in that prompt (1: its own
+        ranking; below 1 it leans toward the input order, 0: the input order), None for a model without a guard."""
         out = []
         for part in token_batches([len(p.input_ids) for p in prompts], self.max_batch_tokens):
             chunk = [prompts[i] for i in part]
-            logits = self.model(**self.tensors(chunk)).float().cpu().numpy()  # (B, N, K)
+            logits, trust = self.model.scores_and_trust(**self.tensors(chunk))
+            logits = logits.float().cpu().numpy()  # (B, N, K)
+            trust = None if trust is None else trust.float().cpu().tolist()  # (B,)
             for row, prompt in enumerate(chunk):
                 n = len(prompt.item_positions)
-                out.append(logits[row, :n, : min(n, logits.shape[2])])
+                out.append((logits[row, :n, : min(n, logits.shape[2])], None if trust is None else trust[row]))
         return out
 
     @torch.inference_mode()

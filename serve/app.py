@@ -341,17 +341,17 @@ class RerankDeployment:
     # no batch wait by default: a lone request is not held back for company (-5 ms p50 sequential),
     # and at concurrency 8 batches still form from the queue (same req/s: reports/serve_load.md)
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)
-    async def _score(self, items: list[tuple["Served", EncodedPrompt]]) -> list[tuple[np.ndarray, int, float]]:
-        """(the model a request started with, its prompt) -> its matrix: one forward pass per model
-        (two only while a swap is under way)."""
+    async def _score(self, items: list[tuple["Served", EncodedPrompt]]) -> list[tuple[np.ndarray, float | None, int, float]]:
+        """(the model a request started with, its prompt) -> its matrix and the model's trust in it: one forward
+        pass per model (two only while a swap is under way)."""
         t0 = time.perf_counter()
-        matrices: list = [None] * len(items)
+        scored: list = [None] * len(items)
         for served in {id(s): s for s, _ in items}.values():
             mine = [i for i, (s, _) in enumerate(items) if s is served]
-            for i, m in zip(mine, served.reranker.score_encoded([items[i][1] for i in mine])):
-                matrices[i] = m
+            for i, out in zip(mine, served.reranker.score_with_trust([items[i][1] for i in mine])):
+                scored[i] = out
         forward_ms = 1000 * (time.perf_counter() - t0)
-        return [(m, len(items), forward_ms) for m in matrices]
+        return [(m, trust, len(items), forward_ms) for m, trust in scored]
 
     async def _rerank(self, body: RerankBody) -> Response:
         t0 = time.perf_counter()
@@ -382,7 +382,7 @@ class RerankDeployment:
         except PromptTooLong as err:
             return _error(413, str(err))
         t_tok = time.perf_counter()
-        matrix, batch_size, forward_ms = await self._score((served, prompt))
+        matrix, trust, batch_size, forward_ms = await self._score((served, prompt))
         t_fwd = time.perf_counter()
         decoded = reranker.decode(matrix, decoder)
         t_dec = time.perf_counter()
@@ -401,14 +401,19 @@ class RerankDeployment:
                         query_truncated=prompt.query_truncated),
             results=results,
             meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms=timings, calibrated=relevance is not None,
-                      model_version=served.model_id,
-                      **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1), reranker)),
+                      model_version=served.model_id, **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1),
+                                                                        reranker, trust)),
         )
 
-    def _vocabulary(self, share: float, reranker) -> dict:
+    def _vocabulary(self, share: float, reranker, trust: float | None = None) -> dict:
+        """meta's unknown-token share, the domain guard's trust, and what they warn of."""
         warning = vocabulary_warning(share, reranker.card.get("vocabulary", "see /v1/models"), self.args.unknown_token_warning)
         warnings = [warning] if warning else []
-        return {"unknown_token_share": round(share, 4), "warnings": warnings}
+        if trust is not None and trust < 1:
+            warnings.append(f"this request is unlike the model's training data (domain guard trust {trust:.2f}): "
+                            + ("the first-stage (input) order was kept" if trust == 0 else "the ranking leans toward the input order"))
+        return {"unknown_token_share": round(share, 4), "warnings": warnings,
+                **({} if trust is None else {"trust": round(trust, 4)})}
 
     async def _rerank_windows(self, body: RerankBody, texts: list[str], decoder: str, t0: float, served: "Served"):
         """A long list: one prefill per window, off the event loop (not batched with other requests)."""

@@ -82,6 +82,9 @@ class Meta(BaseModel):
     unknown_token_share: float = 0.0  # share of the query's and documents' tokens outside the vocabulary
     warnings: list[str] = []
     model_version: str | None = None  # which model answered: models:/NAME/VERSION, a run URI, or folder#hash
+    # the model's domain-guard trust in this request (hllm.model.heads.DomainGuard): 1 its own ranking, below 1 it
+    # leans toward the first-stage (input) order, 0 the input order; absent for a model without a guard
+    trust: float | None = None
 
 
 class RerankResponse(BaseModel):

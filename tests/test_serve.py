@@ -258,6 +258,36 @@ def test_long_lists_are_ranked_in_windows(app, student_dir):
         serve.delete("windowed")
 
 
+def test_a_request_the_domain_guard_distrusts_keeps_the_input_order_and_says_so(app, tmp_path):
+    import torch
+    from ray import serve
+
+    from serve.app import AppArgs, RerankDeployment
+
+    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(mode="frozen"), head=HeadConfig(
+        kind="utility", positions=8, prior="logrank", guard="distance", guard_rank=4)))
+    with torch.no_grad():
+        torch.manual_seed(0)
+        ranker.head.residual.net.weight.normal_(0, 10.0)  # a head with its own (random) order
+        ranker.head.guard.low.fill_(-2.0)
+        ranker.head.guard.high.fill_(-1.0)  # every distance (>= 0) beyond it: trust 0
+    ranker.save(tmp_path / "guarded")
+    library = Reranker.load(tmp_path / "guarded")
+    with library.model.head.guard.suspended():
+        assert [r.index for r in library.rank("red boots", DOCS)] != list(range(len(DOCS)))  # unguarded: reorders
+    assert [r.index for r in library.rank("red boots", DOCS)] == list(range(len(DOCS)))
+    guarded = RerankDeployment.options(name="Guarded", ray_actor_options={"num_cpus": 0.5})
+    serve.run(guarded.bind(AppArgs(model=str(tmp_path / "guarded")).model_dump()), name="guarded", route_prefix="/guarded")
+    try:
+        out = requests.post(URL + "/guarded/v1/rerank", json={"query": "red boots", "documents": DOCS}, timeout=60).json()
+        assert [r["index"] for r in out["results"]] == list(range(len(DOCS)))
+        assert out["meta"]["trust"] == 0.0 and any("domain guard trust 0.00" in w for w in out["meta"]["warnings"])
+    finally:
+        serve.delete("guarded")
+    plain = requests.post(URL + "/v1/rerank", json={"query": "red boots", "documents": DOCS}, timeout=60).json()
+    assert "trust" not in plain["meta"]  # a model without a guard says nothing of it
+
+
 def test_registry_round_trip_register_promote_serve(app, student_dir, tmp_path):
     import mlflow
     from ray import serve

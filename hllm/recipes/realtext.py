@@ -304,9 +304,13 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
         "fit": ({"method": "ridge probe (closed form)", "l2": record["ridge_lambda"], "prior_scale": record["prior_scale"]}
                 if cfg.fit == "ridge" else {"method": "sgd", "loss": cfg.loss.terms, "steps": record["best_step"]}),
         "cv_nDCG@10": record["val_nDCG@10"], "cv_first_stage_nDCG@10": record["val_nDCG@10_at_start"],
-        "transfer": {t["collection"]: {"queries": t["queries"], "first_stage_nDCG@10": t["first_stage"]["nDCG@10"],
-                                       "student_nDCG@10": t["student"]["nDCG@10"]} for t in transfer},
+        "transfer": {t["collection"]: transfer_figures(t) for t in transfer},
         "input": "candidates in first-stage order, best first: the prior reads their ranks",
+        **({"guard": {"what": "the head's residual scaled by a per-query trust from the distance of its passages' states to "
+                              "the training passages' (hllm.model.heads.DomainGuard): 0 keeps the first-stage order",
+                      **record["guard"],
+                      "transfer_fallback_share": {t["collection"]: t["trust"]["fallback_share"] for t in transfer}}}
+           if "guard" in record else {}),
     })
     write_provenance(cfg, target, record, transfer)
     return record, transfer
@@ -316,9 +320,14 @@ def write_provenance(cfg: RealTextConfig, target: Path, record: dict[str, Any], 
     """What made the shipped student and what it was measured at (`hllm.model.ranker.write_provenance`)."""
     ranker_provenance(target, cfg.ranker.model, "python -m hllm.recipes.realtext --config <the recipe below>", to_dict(cfg),
                       fit={k: v for k, v in record.items() if k != "cv_grid"},
-                      transfer=[{"collection": t["collection"], "queries": t["queries"],
-                                 "first_stage_nDCG@10": t["first_stage"]["nDCG@10"], "student_nDCG@10": t["student"]["nDCG@10"]}
-                                for t in transfer])
+                      transfer=[{"collection": t["collection"], **transfer_figures(t)} for t in transfer])
+
+
+def transfer_figures(t: dict[str, Any]) -> dict[str, Any]:
+    """A transfer check as the model card and provenance keep it."""
+    return {"queries": t["queries"], "first_stage_nDCG@10": t["first_stage"]["nDCG@10"], "student_nDCG@10": t["student"]["nDCG@10"],
+            **({"student_unguarded_nDCG@10": t["student_unguarded"]["nDCG@10"], "guard_mean_trust": t["trust"]["mean"]}
+               if "trust" in t else {})}
 
 
 def main(argv: list[str] | None = None) -> None:
