@@ -18,6 +18,10 @@ Means over queries, and over `seeds`.
 `ship_to` fits the head once more on every judged query of `ship_on` and saves it as a student
 folder (`Reranker.load`) with a model card and `provenance.json`, checked on the `transfer`
 collections (never trained on: their hashed test split). Writes `report.json`.
+
+With `ranker.head.guard: distance` every fitted head also fits its domain guard on the same training
+queries (`hllm.train.head_fit.fit_guard`), and every test set reports the same head without the guard
+(`student_unguarded`) and how far the guard trusted its queries (`trust`).
 """
 
 from __future__ import annotations
