@@ -188,8 +188,11 @@ class Reranker:
     @torch.inference_mode()
     def score_with_trust(self, prompts: Sequence[EncodedPrompt]) -> list[tuple[np.ndarray, float | None]]:
         """`score_encoded`, each matrix with the model's domain-guard trust in that prompt (1: its own
-        ranking; below 1 it leans toward the input order, 0: the input order), None for a model without a guard."""
+        ranking; below 1 it leans toward the input order, 0: the input order), None for a model without a guard.
+        A prompt that showed each passage fewer tokens than the guard's support gets trust 0: its matrix is
+        the head's prior alone (`RankPriorHead.prior_scores`), whose assignment is the input order."""
         out = []
+        guard = getattr(self.model.head, "guard", None)
         for part in token_batches([len(p.input_ids) for p in prompts], self.max_batch_tokens):
             chunk = [prompts[i] for i in part]
             logits, trust = self.model.scores_and_trust(**self.tensors(chunk))
@@ -197,7 +200,11 @@ class Reranker:
             trust = None if trust is None else trust.float().cpu().tolist()  # (B,)
             for row, prompt in enumerate(chunk):
                 n = len(prompt.item_positions)
-                out.append((logits[row, :n, : min(n, logits.shape[2])], None if trust is None else trust[row]))
+                matrix = logits[row, :n, : min(n, logits.shape[2])]
+                if guard is not None and not guard.supports(prompt.doc_budget):
+                    matrix = self.model.head.prior_scores(n, matrix.shape[1]).float().cpu().numpy()
+                    trust[row] = 0.0
+                out.append((matrix, None if trust is None else trust[row]))
         return out
 
     @torch.inference_mode()

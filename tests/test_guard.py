@@ -128,3 +128,32 @@ def test_fit_guard_needs_a_guarded_head(small_splits):
         kind="utility", positions=8, prior="logrank"))).eval()
     with pytest.raises(ValueError, match="no domain guard"):
         fit_guard(ranker, slates_like(small_splits["train"], torch.ones(32)), k=3)
+
+
+def test_a_prompt_that_shows_less_of_each_passage_than_training_did_keeps_the_input_order(fitted, small_splits):
+    from hllm.reranker import Reranker
+    from hllm.train.head_fit import doc_budgets, guarded_orders
+
+    ranker, scale, train, record = fitted
+    guard = ranker.head.guard
+    assert record["guard_min_doc_budget"] == min(doc_budgets(ranker, train)) == float(guard.min_doc_budget) > 2
+    torch.manual_seed(0)
+    with torch.no_grad():
+        ranker.head.residual.net.weight.normal_(0, 10.0)  # a head with its own order on real states
+        guard.low.fill_(math.inf)
+        guard.high.fill_(math.inf)  # trust every distance: only the support decides
+    reranker = Reranker(ranker)
+    slate = small_splits["test"][0]
+    query, docs = slate.query.text, [c.text for c in slate.candidates]
+    ((full, trust_full), (cut, trust_cut)) = reranker.score_with_trust(
+        [reranker.encode(query, docs), reranker.encode(query, docs, max_doc_tokens=2)])
+    assert trust_full == 1.0 and trust_cut == 0.0
+    assert reranker.decode(full).permutation.tolist() != list(range(len(docs)))
+    assert reranker.decode(cut).permutation.tolist() == list(range(len(docs)))  # the prior alone: the input order
+    # the recipe's orders over cached states follow the same rule
+    item = slates_like([slate], scale)[0]
+    assert guarded_orders(ranker, [item]) == state_orders(ranker, [item])  # its own prompt: within the support
+    with torch.no_grad():
+        guard.min_doc_budget.fill_(10_000)
+    assert guarded_orders(ranker, [item]) == [list(range(len(docs)))]
+    assert guard_trust(ranker, [item]).tolist() == [0.0]

@@ -215,7 +215,12 @@ class DomainGuard(nn.Module):
     (the PCA-plus-residual form of Mahalanobis OOD scores), divided by D: ~1 for an item like the training
     items. A slate's distance is its items' mean. Trust is 1 up to `low`, 0 from `high`, linear between;
     an unfitted guard (low = high = inf) trusts every slate. Buffers only: fitted in closed form
-    (`hllm.train.head_fit.fit_guard`), saved in the head's state dict."""
+    (`hllm.train.head_fit.fit_guard`), saved in the head's state dict.
+
+    The states cannot tell that a prompt showed less of each passage than the training prompts did (a long
+    query restated after every passage leaves the passages fewer tokens): `min_doc_budget`, the smallest
+    per-passage budget of the training prompts, is the guard's support, and a prompt below it gets trust 0
+    where the prompt is known (`supports`; `hllm.reranker.Reranker.score_with_trust`)."""
 
     def __init__(self, hidden: int, rank: int):
         super().__init__()
@@ -226,6 +231,11 @@ class DomainGuard(nn.Module):
         self.register_buffer("inv_rest", torch.zeros(()))  # 1 / mean variance off the directions
         self.register_buffer("low", torch.tensor(math.inf))
         self.register_buffer("high", torch.tensor(math.inf))
+        self.register_buffer("min_doc_budget", torch.tensor(0.0))  # tokens a passage could show, at least (0: any)
+
+    def supports(self, doc_budget: int) -> bool:
+        """Whether a prompt that let each passage show `doc_budget` tokens is within the training prompts' range."""
+        return doc_budget >= float(self.min_doc_budget)
 
     def distance(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         """(B, N, D) states, (B, N) mask -> (B,) the mean over real items of d^2 / D."""
@@ -246,14 +256,15 @@ class DomainGuard(nn.Module):
     @torch.no_grad()
     def suspended(self) -> Iterator[None]:
         """Trusts every slate inside the block (the unguarded head, for an ablation); restored after."""
-        low, high = self.low.clone(), self.high.clone()
+        saved = {name: getattr(self, name).clone() for name in ("low", "high", "min_doc_budget")}
         self.low.fill_(math.inf)
         self.high.fill_(math.inf)
+        self.min_doc_budget.fill_(0.0)
         try:
             yield
         finally:
-            self.low.copy_(low)
-            self.high.copy_(high)
+            for name, value in saved.items():
+                getattr(self, name).copy_(value)
 
 
 class RankPriorHead(nn.Module):
@@ -276,6 +287,10 @@ class RankPriorHead(nn.Module):
         self.gate = nn.Linear(hidden, 1)
         nn.init.zeros_(self.gate.weight)
         nn.init.zeros_(self.gate.bias)
+
+    def prior_scores(self, n: int, k: int, device: torch.device | None = None) -> torch.Tensor:
+        """(N, K) the scores of a slate the head does not touch (its residual at 0): the input order's."""
+        return self.log_beta.exp().detach() * PRIOR_MATRICES[self.kind](n, k, device)
 
     def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         residual = self.residual(items, item_mask)  # (B, N, K)

@@ -89,6 +89,7 @@ class EncodedPrompt:
     # (N,) [start, stop) of each candidate's own tokens (its text as shown, without identifier or restated
     # query): what a `mean` pooling averages; a candidate cut to no tokens spans its last token
     item_spans: list[tuple[int, int]] = field(default_factory=list)
+    doc_budget: int = 0  # the tokens each document could show (the config's cap, or less where the context is short)
 
 
 class PromptTooLong(ValueError):
@@ -181,7 +182,7 @@ class PromptBuilder:
         shown = query_ids[: self.cfg.max_query_tokens], *(doc[:budget] for doc in docs)  # the query's and documents' tokens
         unk = self.tokenizer.unk_token_id
         unknown = sum(part.count(unk) for part in shown) if unk is not None else 0
-        return EncodedPrompt(ids + tail, positions, cut, query_truncated, sum(map(len, shown)), unknown, spans)
+        return EncodedPrompt(ids + tail, positions, cut, query_truncated, sum(map(len, shown)), unknown, spans, budget)
 
 
 def document_text(candidate: Candidate) -> str:

@@ -49,7 +49,7 @@ from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write
 from hllm.model.ranker import write_provenance as ranker_provenance
 from hllm.recipes.job import recipe_config, start_recipe
 from hllm.records import RerankRequest
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, state_orders
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, guarded_orders
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_states, states_key
 
@@ -97,6 +97,9 @@ class RealTextConfig:
     transfer: list[str] = field(default_factory=list)  # never trained on: checked with the shipped head
     transfer_fraction: float = 0.2  # a transfer collection's hashed test split ...
     transfer_queries: int = 40  # ... capped at this many queries
+    # which side of that split: `test`, or `rest` (the other queries: a second, independent sample, e.g. to confirm
+    # on queries never looked at what was built while looking at the test split's)
+    transfer_split: Literal["test", "rest"] = "test"
     shard_slates: int = 4  # slates per state shard (a crash loses at most one shard)
 
     def __post_init__(self) -> None:
@@ -140,7 +143,8 @@ class Collections:
         if (path, transfer) not in self._items:
             slates = read_slates("beir", path, top_n=self.cfg.top_n)
             if transfer:
-                slates = split_by_hash(slates, self.cfg.transfer_fraction)[1][: self.cfg.transfer_queries]
+                rest, test = split_by_hash(slates, self.cfg.transfer_fraction)
+                slates = (test if self.cfg.transfer_split == "test" else rest)[: self.cfg.transfer_queries]
             directory = Path(self.cfg.output_dir) / "states" / f"{collection_name(path)}-{states_key(self.ranker.cfg, slates)}"
             t0 = time.perf_counter()
             states = cached_states(self.ranker, slates, directory, self.cfg.shard_slates, progress=lambda done, total, s: log.info(
@@ -165,8 +169,9 @@ def train_head(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextC
     record = _train_head(ranker, items, cfg, seed)
     if cfg.ranker.head.guard != "none":
         record["guard"] = fit_guard(ranker, items, max(cfg.cv_folds, 2))
-        log.info("    domain guard: trust 1 up to distance %.3f, 0 from %.3f (held-out training slates: median %.3f)",
-                 record["guard"]["guard_low"], record["guard"]["guard_high"], record["guard"]["guard_heldout_median"])
+        log.info("    domain guard: trust 1 up to distance %.3f, 0 from %.3f (held-out training slates: median %.3f); "
+                 "support: prompts that show each passage >= %d tokens", record["guard"]["guard_low"], record["guard"]["guard_high"],
+                 record["guard"]["guard_heldout_median"], record["guard"]["guard_min_doc_budget"])
     return record
 
 
@@ -215,7 +220,7 @@ def _ridge(ranker: SinglePassRanker, items: list[StateSlate], cfg: RealTextConfi
 
 def measure(ranker: SinglePassRanker, items: list[StateSlate], rel: int) -> dict[str, float]:
     slates = [i.slate for i in items]
-    return quality(slates, state_orders(ranker, items), rel)
+    return quality(slates, guarded_orders(ranker, items), rel)
 
 
 def guarded(ranker: SinglePassRanker, items: list[StateSlate], rel: int) -> dict[str, Any]:

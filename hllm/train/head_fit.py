@@ -283,10 +283,11 @@ def guard_distances(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np
 
 @torch.no_grad()
 def guard_trust(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarray:
-    """(len(items),) the trust in [0, 1] the ranker's guard gives each slate."""
+    """(len(items),) the trust in [0, 1] the ranker's guard gives each slate (0 outside its support)."""
     guard = _guard(ranker)
     d = torch.from_numpy(guard_distances(ranker, items)).to(guard.low)
-    return torch.where(d <= guard.low, 1.0, ((guard.high - d) / (guard.high - guard.low)).clamp(0, 1)).cpu().numpy()
+    trust = torch.where(d <= guard.low, 1.0, ((guard.high - d) / (guard.high - guard.low)).clamp(0, 1)).cpu().numpy()
+    return trust * supported(ranker, items)
 
 
 def _guard(ranker: SinglePassRanker):
@@ -296,13 +297,33 @@ def _guard(ranker: SinglePassRanker):
     return guard
 
 
+def doc_budgets(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> list[int]:
+    """Per slate, the tokens its prompt let each passage show (`EncodedPrompt.doc_budget`; tokenizing only)."""
+    return [ranker.prompts.encode(i.slate, with_answer=False).doc_budget for i in items]
+
+
+def supported(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarray:
+    """(len(items),) whether each slate's prompt is within the guard's support (`DomainGuard.supports`)."""
+    guard = _guard(ranker)
+    return np.array([guard.supports(b) for b in doc_budgets(ranker, items)])
+
+
+def guarded_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder: str = "hungarian") -> list[list[int]]:
+    """`state_orders` as `Reranker.score_with_trust` ranks: a slate outside the guard's support keeps its input order."""
+    orders = state_orders(ranker, items, decoder)
+    if getattr(ranker.head, "guard", None) is None:
+        return orders
+    return [o if ok else list(range(len(o))) for o, ok in zip(orders, supported(ranker, items))]
+
+
 @torch.no_grad()
 def fit_guard(ranker: SinglePassRanker, items: Sequence[StateSlate], k: int) -> dict[str, float]:
     """Fits the head's `DomainGuard` on the training slates `items`, its thresholds set by their own
     held-out distances: k-fold over queries, each fold's slates measured against the others' statistics.
     Trust is 1 up to the largest held-out distance (every training query, held out, would have been
     trusted), 0 beyond it by as much again as it lies above their median. Then the statistics of every
-    slate are kept. -> {"guard_low", "guard_high", "guard_heldout_median", "guard_heldout_max"}."""
+    slate are kept, and the smallest per-passage token budget of their prompts as the guard's support.
+    -> {"guard_low", "guard_high", "guard_heldout_median", "guard_heldout_max", "guard_min_doc_budget"}."""
     guard = _guard(ranker)
 
     def load(stats: dict[str, torch.Tensor]) -> None:
@@ -317,7 +338,9 @@ def fit_guard(ranker: SinglePassRanker, items: Sequence[StateSlate], k: int) -> 
     median, top = float(np.median(held_out)), float(held_out.max())
     guard.low.fill_(top)
     guard.high.fill_(top + max(top - median, 1e-6))
-    return {"guard_low": top, "guard_high": float(guard.high), "guard_heldout_median": median, "guard_heldout_max": top}
+    guard.min_doc_budget.fill_(min(doc_budgets(ranker, items)))
+    return {"guard_low": top, "guard_high": float(guard.high), "guard_heldout_median": median, "guard_heldout_max": top,
+            "guard_min_doc_budget": int(guard.min_doc_budget)}
 
 
 def judged_ndcg(ranker: SinglePassRanker, items: Sequence[StateSlate], rel: int) -> float:
