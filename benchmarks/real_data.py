@@ -2,7 +2,7 @@
 the teacher, on a finished job's held-out queries and (optionally) on a second collection the
 job never saw; and the cross-year protocol of a finished `hllm.recipes.realtext` run.
 
-    python benchmarks/real_data.py --cross-year runs/realtext                 # the report as committed
+    python benchmarks/real_data.py --cross-year runs/realtext --confirm runs/realtext-confirm   # the report as committed
     python benchmarks/real_data.py --teacher-folds runs/distilltext           # adds the real teachers' rows to it
     python benchmarks/real_data.py --job runs/dl19-smollm2 [--transfer ../shared/data/cranfield] [--transfer-queries 40]
 
@@ -59,9 +59,13 @@ def rows_for(collection: str, split: str, slates: list[RerankRequest], metrics: 
              "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)} for method, m in metrics.items()]
 
 
-def cross_year_rows(run: Path) -> tuple[list[dict], list[str]]:
-    """Rows and Markdown notes from a finished `hllm.recipes.realtext` run's report.json."""
+def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict], list[str]]:
+    """Rows and Markdown notes from a finished `hllm.recipes.realtext` run's report.json (`transfer_only`:
+    its transfer checks alone, split `transfer-confirm`: a second run on the other side of the hashed split)."""
     report = json.loads((run / "report.json").read_text())
+    if transfer_only:
+        report = {**report, "folds": [], "shipped": None}
+    split_name = "transfer-confirm" if transfer_only else "transfer-test"
     rows, notes = [], []
     for fold in report["folds"]:
         n, seeds = fold["queries"], len(fold["seeds"])
@@ -72,10 +76,10 @@ def cross_year_rows(run: Path) -> tuple[list[dict], list[str]]:
                      f"nDCG@10 {fold['student']['nDCG@10']:.4f} ± {fold['student_nDCG@10_sd']:.4f} (sd over {seeds} seeds: "
                      + ", ".join(f"{r['nDCG@10']:.4f}" for r in fold["student_per_seed"]) + f"); {chosen(fold['training'][0])}")
     for t in report["transfer"]:
-        rows += [{"collection": t["collection"], "queries": t["queries"], "split": "transfer-test", "method": method,
+        rows += [{"collection": t["collection"], "queries": t["queries"], "split": split_name, "method": method,
                   "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
                  for method, m in _methods(t)]
-    for row, split in [*((f, "cross-year") for f in report["folds"]), *((t, "transfer-test") for t in report["transfer"])]:
+    for row, split in [*((f, "cross-year") for f in report["folds"]), *((t, split_name) for t in report["transfer"])]:
         if "trust" in row:
             trust = row["trust"]
             notes.append(f"- domain guard, {row['collection']} ({split}): mean trust {trust['mean']:.2f}; "
@@ -205,6 +209,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", help="a finished job's output_dir (config.json, report.json, teacher/, student/)")
     parser.add_argument("--cross-year", metavar="RUN", help="a finished hllm.recipes.realtext run's output_dir (report.json)")
+    parser.add_argument("--confirm", metavar="RUN", help="with --cross-year: a second realtext run's transfer checks "
+                        "(transfer_split=rest: queries never looked at) as split transfer-confirm")
     parser.add_argument("--teacher-folds", metavar="RUN", help="a finished hllm.recipes.distilltext run's output_dir: "
                         "its rows replace an earlier such run's in --out, every other row stays")
     parser.add_argument("--transfer", action="append", default=[], help="with --job: another BEIR-style collection to rerank")
@@ -223,6 +229,10 @@ def main() -> None:
     if args.cross_year:
         cross, notes = cross_year_rows(Path(args.cross_year))
         rows += cross
+        if args.confirm:
+            confirm, confirm_notes = cross_year_rows(Path(args.confirm), transfer_only=True)
+            rows += confirm
+            notes += confirm_notes
         cfg = json.loads((Path(args.cross_year) / "config.json").read_text())
         r = cfg["ranker"]
         sections += [
@@ -235,12 +245,14 @@ def main() -> None:
             f"{r['prompt']['max_doc_tokens']} tokens), as `hllm rerank` does with this model. `cross-year`: every judged "
             f"query of the test year, fitted on the other year (whose own queries choose the settings); the student's "
             f"figures are means over {len(cfg['seeds'])} seed(s). `transfer-test`: the shipped student (both years) on the hashed test split of "
-            f"a collection never trained on. "
+            f"a collection never trained on" + (f"; `transfer-confirm` (`{args.confirm}`): the same student on the queries outside "
+            "that split (a second sample, never looked at while the guard was built)" if args.confirm else "") + ". "
             + ("`student` carries the domain guard (`ranker.head.guard: distance`, hllm.model.heads.DomainGuard: a query whose "
                "passages' states lie farther from the training data than any held-out training query's falls back toward "
                "the first-stage order; thresholds from the training queries alone); `student_unguarded` is the same head "
                "without it. " if r["head"].get("guard", "none") != "none" else "")
-            + f"MRR@10 counts grade >= {cfg['rel']} as relevant.", "", *notes, ""]
+            + f"MRR@10 counts grade >= {cfg['rel']} as relevant (transfer collections: from their grade scale, "
+            "hllm.eval.runfile.relevance_threshold: 1 for Cranfield's 1-4 and ArguAna's binary qrels).", "", *notes, ""]
     if not args.job:
         write(rows, Path(args.out), "\n".join(sections + table(rows)))
         return

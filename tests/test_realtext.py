@@ -66,9 +66,12 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
     import sys
     out = tmp_path / "real_data.csv"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_data.py"), "--cross-year", str(tmp_path / "run"),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--confirm", str(tmp_path / "run"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["collection"], r["split"], r["method"]): r for r in csv.DictReader(out.open())}
+    confirm = {k: rows.pop(k) for k in list(rows) if k[1] == "transfer-confirm"}  # the second run's transfer rows alone
+    assert {(c, m) for c, _, m in confirm} == {(c, m) for c, split, m in rows if split == "transfer-test"}
     guarded = {("b", "cross-year", "student_unguarded"), ("c", "transfer-test", "student_unguarded")} if fit == "ridge" else set()
     assert set(rows) == {("b", "cross-year", "first_stage"), ("b", "cross-year", "student"),
                          ("c", "transfer-test", "first_stage"), ("c", "transfer-test", "student")} | guarded

@@ -42,6 +42,7 @@ from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
 from hllm.data.splits import query_bucket
 from hllm.eval.evaluation import first_stage_order, quality
+from hllm.eval.runfile import relevance_threshold
 from hllm.model.backbones import ModelConfig
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
@@ -295,9 +296,10 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
     for path in cfg.transfer:
         t_items = data.items(path, transfer=True)
         slates = [i.slate for i in t_items]
-        transfer.append({"collection": collection_name(path), "queries": len(t_items),
-                         "first_stage": quality(slates, first_stage_order(slates), cfg.rel),
-                         "student": measure(ranker, t_items, cfg.rel), **guarded(ranker, t_items, cfg.rel)})
+        rel, _ = relevance_threshold({s.slate_id: s.qrels() for s in slates})  # MRR's threshold from its grade scale
+        transfer.append({"collection": collection_name(path), "queries": len(t_items), "rel": rel,
+                         "first_stage": quality(slates, first_stage_order(slates), rel),
+                         "student": measure(ranker, t_items, rel), **guarded(ranker, t_items, rel)})
         log.info("shipped -> %s (%d queries): first stage %.4f, student %.4f%s", transfer[-1]["collection"], len(t_items),
                  transfer[-1]["first_stage"]["nDCG@10"], transfer[-1]["student"]["nDCG@10"], _guard_note(transfer[-1]))
     write_model_card(target, {
@@ -316,7 +318,8 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
         "transfer": {t["collection"]: transfer_figures(t) for t in transfer},
         "input": "candidates in first-stage order, best first: the prior reads their ranks",
         **({"guard": {"what": "the head's residual scaled by a per-query trust from the distance of its passages' states to "
-                              "the training passages' (hllm.model.heads.DomainGuard): 0 keeps the first-stage order",
+                              "the training passages' (hllm.model.heads.DomainGuard): 0 keeps the first-stage order, as does a "
+                              "prompt that shows each passage fewer tokens than guard_min_doc_budget (a long query)",
                       **record["guard"],
                       "transfer_fallback_share": {t["collection"]: t["trust"]["fallback_share"] for t in transfer}}}
            if "guard" in record else {}),
