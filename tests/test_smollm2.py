@@ -84,3 +84,19 @@ def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data):
     ranked = reranker.windowed_orders([slate.query.text], [[c.text for c in slate.candidates]])
     assert ranked.windows == [1] and is_permutation(ranked.orders[0], 100)
     assert 0 <= quality([slate], ranked.orders, 2)["nDCG@10"] <= 1
+
+
+@pytest.mark.data
+@pytest.mark.slow
+def test_the_named_student_trusts_a_trec_query_and_keeps_the_first_stage_order_on_a_long_arguana_query(shared_data):
+    from hllm.data.readers import read_slates
+    from hllm.recipes.realtext import split_by_hash
+
+    reranker = Reranker.load("smollm2-trec-dl")
+    (trec,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=100)[:1]
+    argument = split_by_hash(read_slates("beir", shared_data / "arguana", top_n=100), 0.2)[1][0]  # the transfer split's first
+    prompts = [reranker.encode_slate(trec), reranker.encode_slate(argument)]
+    assert prompts[0].doc_budget == 48 and prompts[1].doc_budget < 48 and prompts[1].query_truncated
+    ((trec_matrix, trec_trust), (arg_matrix, arg_trust)) = reranker.score_with_trust(prompts)
+    assert trec_trust == 1.0 and reranker.decode(trec_matrix).permutation.tolist() != list(range(100))
+    assert arg_trust == 0.0 and reranker.decode(arg_matrix).permutation.tolist() == list(range(100))  # BM25's order
