@@ -249,7 +249,8 @@ def main() -> None:
             "that split (a second sample, never looked at while the guard was built)" if args.confirm else "") + ". "
             + ("`student` carries the domain guard (`ranker.head.guard: distance`, hllm.model.heads.DomainGuard: a query whose "
                "passages' states lie farther from the training data than any held-out training query's falls back toward "
-               "the first-stage order; thresholds from the training queries alone); `student_unguarded` is the same head "
+               "the first-stage order, and one whose prompt shows each passage fewer tokens than every training prompt did "
+               "keeps it; thresholds from the training queries alone); `student_unguarded` is the same head "
                "without it. " if r["head"].get("guard", "none") != "none" else "")
             + f"MRR@10 counts grade >= {cfg['rel']} as relevant (transfer collections: from their grade scale, "
             "hllm.eval.runfile.relevance_threshold: 1 for Cranfield's 1-4 and ArguAna's binary qrels).", "", *notes, ""]
