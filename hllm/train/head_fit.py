@@ -273,21 +273,20 @@ def guard_statistics(states: Sequence[torch.Tensor], rank: int) -> dict[str, tor
 
 
 @torch.no_grad()
+def _per_slate(ranker: SinglePassRanker, items: Sequence[StateSlate], fn: Callable) -> np.ndarray:
+    """(len(items),) `fn(states (1, N, D), mask (1, N))` of each slate's states, one slate at a time."""
+    return np.array([float(fn(i.states[None].to(ranker.device),
+                              torch.ones(1, len(i.states), dtype=torch.bool, device=ranker.device))) for i in items])
+
+
 def guard_distances(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarray:
     """(len(items),) each slate's distance to the training data under the ranker's fitted guard."""
-    guard = _guard(ranker)
-    return np.array([float(guard.distance(i.states[None].to(ranker.device),
-                                          torch.ones(1, len(i.states), dtype=torch.bool, device=ranker.device)))
-                     for i in items])
+    return _per_slate(ranker, items, _guard(ranker).distance)
 
 
-@torch.no_grad()
 def guard_trust(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarray:
     """(len(items),) the trust in [0, 1] the ranker's guard gives each slate (0 outside its support)."""
-    guard = _guard(ranker)
-    d = torch.from_numpy(guard_distances(ranker, items)).to(guard.low)
-    trust = torch.where(d <= guard.low, 1.0, ((guard.high - d) / (guard.high - guard.low)).clamp(0, 1)).cpu().numpy()
-    return trust * supported(ranker, items)
+    return _per_slate(ranker, items, _guard(ranker)) * supported(ranker, items)
 
 
 def _guard(ranker: SinglePassRanker):
