@@ -34,6 +34,7 @@ from hllm.data.traffic import model_key
 from hllm.model.backbones import resolve_device
 from hllm.model.calibration import Calibrator
 from hllm.model.decoding import DECODERS, Decoded
+from hllm.model.heads import within_support
 from hllm.model.prompts import EncodedPrompt, PromptTooLong, collate
 from hllm.model.ranker import SinglePassRanker, read_model_card
 from hllm.model.windows import WINDOWINGS, rank_in_windows
@@ -190,9 +191,8 @@ class Reranker:
         """`score_encoded`, each matrix with the model's domain-guard trust in that prompt (1: its own
         ranking; below 1 it leans toward the input order, 0: the input order), None for a model without a guard.
         A prompt that showed each passage fewer tokens than the guard's support gets trust 0: its matrix is
-        the head's prior alone (`RankPriorHead.prior_scores`), whose assignment is the input order."""
+        the head's prior alone (`hllm.model.heads.within_support`), whose assignment is the input order."""
         out = []
-        guard = getattr(self.model.head, "guard", None)
         for part in token_batches([len(p.input_ids) for p in prompts], self.max_batch_tokens):
             chunk = [prompts[i] for i in part]
             logits, trust = self.model.scores_and_trust(**self.tensors(chunk))
@@ -200,11 +200,8 @@ class Reranker:
             trust = None if trust is None else trust.float().cpu().tolist()  # (B,)
             for row, prompt in enumerate(chunk):
                 n = len(prompt.item_positions)
-                matrix = logits[row, :n, : min(n, logits.shape[2])]
-                if guard is not None and not guard.supports(prompt.doc_budget):
-                    matrix = self.model.head.prior_scores(n, matrix.shape[1]).float().cpu().numpy()
-                    trust[row] = 0.0
-                out.append((matrix, None if trust is None else trust[row]))
+                matrix, ok = within_support(self.model.head, logits[row, :n, : min(n, logits.shape[2])], prompt.doc_budget)
+                out.append((matrix, None if trust is None else trust[row] if ok else 0.0))
         return out
 
     @torch.inference_mode()

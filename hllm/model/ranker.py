@@ -182,17 +182,15 @@ class SinglePassRanker(nn.Module):
         """(B, N, D) item states, (B, N) mask -> (B, N, K) item-position logits: the head alone."""
         return self.head(items.to(next(self.head.parameters()).dtype), item_mask)
 
-    def trust(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor | None:
-        """(B, N, D) item states, (B, N) mask -> (B,) the head's domain-guard trust in each slate (1: the head's
-        own ranking, 0: the first-stage order; `hllm.model.heads.DomainGuard`), or None for a head without one."""
-        guard = getattr(self.head, "guard", None)
-        return None if guard is None else guard(items, item_mask)
-
     def scores_and_trust(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
                          item_mask: torch.Tensor, item_spans: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward` and `trust` from one prefill: -> ((B, N, K) logits, (B,) trust or None)."""
+        """`forward`, with the head's domain-guard trust in each slate (1: the head's own ranking, 0: the
+        first-stage order; `hllm.model.heads.DomainGuard`), or None for a head without one: one prefill, one head
+        pass. -> ((B, N, K) logits, (B,) trust or None)."""
+        if getattr(self.head, "guard", None) is None:
+            return self(input_ids, attention_mask, item_positions, item_mask, item_spans), None
         items = self.item_states(input_ids, attention_mask, item_positions, item_spans)
-        return self.score_states(items, item_mask), self.trust(items, item_mask)
+        return self.head.scores_and_trust(items.to(next(self.head.parameters()).dtype), item_mask)
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:

@@ -26,6 +26,7 @@ import torch
 from hllm.data.splits import query_bucket
 from hllm.eval.evaluation import quality
 from hllm.model.decoding import DECODERS
+from hllm.model.heads import within_support
 from hllm.model.ranker import SinglePassRanker
 from hllm.records import RerankRequest
 from hllm.train.loop import LossConfig, TorchOptimizer, TrainConfig, batches, padded_targets, train_loop
@@ -308,11 +309,12 @@ def supported(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarr
 
 
 def guarded_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder: str = "hungarian") -> list[list[int]]:
-    """`state_orders` as `Reranker.score_with_trust` ranks: a slate outside the guard's support keeps its input order."""
-    orders = state_orders(ranker, items, decoder)
-    if getattr(ranker.head, "guard", None) is None:
-        return orders
-    return [o if ok else list(range(len(o))) for o, ok in zip(orders, supported(ranker, items))]
+    """`state_orders` as `Reranker.score_with_trust` ranks: each matrix through `within_support` (a slate outside
+    the guard's support is scored by the prior alone: its input order)."""
+    matrices = score_state_slates(ranker, items)
+    if getattr(ranker.head, "guard", None) is not None:
+        matrices = [within_support(ranker.head, m, b)[0] for m, b in zip(matrices, doc_budgets(ranker, items))]
+    return decode_orders(matrices, decoder)
 
 
 @torch.no_grad()
