@@ -8,8 +8,8 @@ it), the `hllm rerank` command end to end, and a Serve replica over HTTP.
 
 Each query is its collection's first-stage top `--top-n` as one request (the model's window: one
 prefill). Sequential in-process timings (`Reranker.rank`, `--threads` torch threads, after one
-warm-up), then `hllm rerank` on the same queries (a subprocess: model load included, and without
-it, from its own timing of the reranking), then one Serve replica with the same thread count answering
+warm-up), then `hllm rerank` on the same queries (a subprocess, end to end: Python start and model
+load included; the in-process load time is printed beside it), then one Serve replica with the same thread count answering
 the same bodies over loopback HTTP, one client and then two at once. Bounded: `--queries` requests
 each, every one with a timeout. Prints a table and writes `reports/real_throughput.md`. Figures,
 not a timed test.
