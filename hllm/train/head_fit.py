@@ -169,6 +169,12 @@ def ridge_utility(items: Sequence[StateSlate], lam: float, unjudged: int = 0) ->
     """The closed-form fit of a linear probe: ridge regression from each item's state to its target
     (`StateSlate.utility`, else its grade) over every item of `items` (features standardised, L2
     weight `lam`). -> (w (D,), b ()), the standardisation folded in, for a `utility` head's linear map."""
+    return ridge_utilities(items, [lam], unjudged)[0]
+
+
+def ridge_utilities(items: Sequence[StateSlate], lambdas: Sequence[float], unjudged: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`ridge_utility` for every L2 weight of `lambdas` from one eigendecomposition of the Gram matrix
+    (the ridge path: w(lam) = V diag(1 / (e + lam)) V^T X^T y). -> per weight (w (D,), b ())."""
     x = torch.cat([i.states for i in items]).double()  # (M, D)
     y = torch.tensor([g for i in items for g in (i.utility if i.utility is not None else i.grades(unjudged))],
                      dtype=torch.float64)  # (M,)
@@ -176,9 +182,13 @@ def ridge_utility(items: Sequence[StateSlate], lam: float, unjudged: int = 0) ->
         raise ValueError("ridge_utility needs every item graded (set unjudged)")
     mu, sd = x.mean(0), x.std(0) + 1e-6  # (D,) each
     xn = (x - mu) / sd  # (M, D)
-    w = torch.linalg.solve(xn.T @ xn + lam * torch.eye(x.shape[1], dtype=x.dtype), xn.T @ (y - y.mean()))  # (D,)
-    w = w / sd
-    return w.float(), -(w @ mu).float()
+    e, v = torch.linalg.eigh(xn.T @ xn)  # (D,), (D, D)
+    proj = v.T @ (xn.T @ (y - y.mean()))  # (D,)
+    out = []
+    for lam in lambdas:
+        w = (v @ (proj / (e.clamp_min(0) + lam))) / sd  # (D,)
+        out.append((w.float(), -(w @ mu).float()))
+    return out
 
 
 @torch.no_grad()
@@ -221,8 +231,7 @@ def cv_ridge(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Seque
     grid: dict[tuple[float, float], list[float]] = {}
     folds = query_folds(len(items), [i.slate.slate_id for i in items], k)
     for train, held in folds:
-        for lam in lambdas:
-            w, b = ridge_utility(_pick(items, train), lam, unjudged)
+        for lam, (w, b) in zip(lambdas, ridge_utilities(_pick(items, train), lambdas, unjudged)):
             for scale in scales:
                 set_utility(ranker, w, b, scale)
                 grid.setdefault((lam, scale), []).append(judged_ndcg(ranker, _pick(judge, held), rel))
