@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -99,6 +100,23 @@ def resolve_model_uri(uri: str | Path) -> Path:
     return Path(plugins[scheme].load()(str(uri)))
 
 
+CPU_MAX_BATCH_TOKENS = 8192  # "auto" on a CPU: about one 100-passage prompt a forward pass
+MaxBatchTokens = int | Literal["auto"] | None
+
+
+def resolve_max_batch_tokens(value: MaxBatchTokens, device: torch.device) -> int | None:
+    """A forward pass's token cap on `device`: an int or None (no cap) as given; "auto" is
+    `CPU_MAX_BATCH_TOKENS` on a CPU, where batching long prompts costs more than passes in a row and
+    memory grows with tokens (2 cores: two 6,100-token prompts batched 0.057 queries/s against 0.089
+    one a pass, reports/real_throughput.md; 16 prompts of 1,360 tokens 22.9 s uncapped, 13.9 s at
+    4,096, docs/http-api.md), and no cap on an accelerator, where batching is what pays."""
+    if value == "auto":
+        return CPU_MAX_BATCH_TOKENS if device.type == "cpu" else None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"max_batch_tokens must be >= 1, None (no cap) or 'auto', got {value!r}")
+    return value
+
+
 def token_batches(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
     """Consecutive runs of prompt indices whose padded size (rows x the longest) stays within
     `max_tokens` (None: one run of all); a prompt longer than `max_tokens` makes a run of its own."""
@@ -122,19 +140,19 @@ class Reranker:
 
     def __init__(self, model: SinglePassRanker, decoder: str = "hungarian", batch_size: int = 32,
                  window: int | None = None, stride: int | None = None, windowing: str = "sliding",
-                 max_batch_tokens: int | None = None):
+                 max_batch_tokens: MaxBatchTokens = "auto"):
         """`window`: lists longer than this are ranked in windows of this many documents (None: every
         list in one pass); `stride` (sliding; default window // 2); `windowing`: sliding or blocks;
         `max_batch_tokens`: a forward pass holds at most this many (padded) tokens, however many prompts
-        a caller hands over at once (memory grows with tokens, not prompts; a longer prompt goes alone)."""
+        a caller hands over at once (memory grows with tokens, not prompts; a longer prompt goes alone);
+        None: no cap; "auto": `resolve_max_batch_tokens` for the model's device at each call."""
         if decoder not in DECODERS:
             raise ValueError(f"unknown decoder {decoder!r}; known: {sorted(DECODERS)}")
         if windowing not in WINDOWINGS:
             raise ValueError(f"unknown windowing {windowing!r}; known: {sorted(WINDOWINGS)}")
         if window is not None and not (2 <= window and 1 <= (stride or window // 2) <= window):
             raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
-        if max_batch_tokens is not None and max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        resolve_max_batch_tokens(max_batch_tokens, torch.device("cpu"))  # a bad value fails here, not at the first call
         self.max_batch_tokens = max_batch_tokens
         self.model, self.decoder, self.batch_size = model.eval(), decoder, batch_size
         self.window, self.stride, self.windowing = window, stride, windowing
@@ -144,7 +162,7 @@ class Reranker:
     @classmethod
     def load(cls, path_or_uri: str | Path, *, device: str = "auto", dtype: str | None = None, merge_lora: bool = True,
              decoder: str = "hungarian", batch_size: int = 32, window: int | None = None, stride: int | None = None,
-             windowing: str = "sliding", max_batch_tokens: int | None = None) -> "Reranker":
+             windowing: str = "sliding", max_batch_tokens: MaxBatchTokens = "auto") -> "Reranker":
         """`merge_lora` folds LoRA into the base weights: the same scores, no adapter matmuls."""
         path = resolve_model_uri(path_or_uri)
         model = SinglePassRanker.load(path, dtype=dtype, merge_lora=merge_lora)
@@ -193,7 +211,8 @@ class Reranker:
         A prompt that showed each passage fewer tokens than the guard's support gets trust 0: its matrix is
         the head's prior alone (`hllm.model.heads.within_support`), whose assignment is the input order."""
         out = []
-        for part in token_batches([len(p.input_ids) for p in prompts], self.max_batch_tokens):
+        cap = resolve_max_batch_tokens(self.max_batch_tokens, self.device)
+        for part in token_batches([len(p.input_ids) for p in prompts], cap):
             chunk = [prompts[i] for i in part]
             logits, trust = self.model.scores_and_trust(**self.tensors(chunk))
             logits = logits.float().cpu().numpy()  # (B, N, K)

@@ -206,6 +206,19 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     return 0
 
 
+def batch_tokens(text: str) -> int | str | None:
+    """--max-batch-tokens: a positive int, auto (the device's default) or none (no cap)."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, auto or none, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, auto or none, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hllm", description="hLLM: single-pass generative reranking.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -237,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--windowing", choices=("sliding", "blocks"), default="sliding",
                    help="sliding: RankGPT windows back to front; blocks: rank blocks, then their best together")
     r.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
-    r.add_argument("--max-batch-tokens", type=int, help="and at most this many padded tokens per forward pass (bounds "
-                   "memory whatever the window count; default: no cap)")
+    r.add_argument("--max-batch-tokens", type=batch_tokens, default="auto", metavar="N|auto|none",
+                   help="and at most this many padded tokens per forward pass (bounds memory whatever the window count; "
+                   "auto, the default: 8192 on a CPU, where batching long prompts costs more than passes in a row, no cap on a GPU)")
     r.add_argument("--shard-size", type=int, default=64, help="queries per shard (the unit a re-run resumes from)")
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--threads", type=int, help="torch threads (default: torch's)")

@@ -106,8 +106,9 @@ class AppArgs(BaseModel):
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
     # a forward pass holds at most this many padded tokens, however many requests a batch gathers or windows
-    # a long list has (memory grows with tokens: TEI's max-batch-tokens); None: no cap
-    max_batch_tokens: int | None = None
+    # a long list has (memory grows with tokens: TEI's max-batch-tokens); None: no cap; auto: 8,192 on a CPU
+    # (one 100-passage prompt a pass: batching long prompts costs more there), no cap on a GPU
+    max_batch_tokens: int | Literal["auto"] | None = "auto"
     # meta.warnings says so when more of a request's tokens than this are unknown to the model's vocabulary
     unknown_token_warning: float = UNKNOWN_TOKEN_WARNING
     # opt-in: every answered request is logged as Parquet under traffic_log.path (hllm.data.traffic), for `hllm refresh`

@@ -345,3 +345,17 @@ def test_progress_moves_per_group_of_queries_not_per_shard(student, tmp_path):
     orders, stats = ShardRanker(RerankSpec(model=str(student), window=4, batch_size=2, max_batch_tokens=512))(slates, told.append)
     assert told == [2, 2, 1] and stats["queries"] == 5 and stats["windows"] == 5 * ((10 - 4) // 2 + 1)
     assert [sorted(o) for o in orders] == [list(range(10))] * 5
+
+
+def test_max_batch_tokens_takes_a_cap_auto_or_none(capsys):
+    from pipelines.cli import build_parser
+
+    base = ["rerank", "--model", "m", "--data", "d", "--out", "o"]
+    parse = build_parser().parse_args
+    assert parse(base).max_batch_tokens == "auto"  # 8192 on a CPU, no cap on a GPU (hllm.reranker.resolve_max_batch_tokens)
+    assert parse(base + ["--max-batch-tokens", "none"]).max_batch_tokens is None
+    assert parse(base + ["--max-batch-tokens", "4096"]).max_batch_tokens == 4096
+    for bad in ("0", "lots"):
+        with pytest.raises(SystemExit) as exit_:
+            parse(base + ["--max-batch-tokens", bad])
+        assert exit_.value.code == 2 and "expected a positive int, auto or none" in capsys.readouterr().err

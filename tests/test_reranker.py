@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from hllm import RankedDocument, Reranker
 from hllm.model.heads import HeadConfig
@@ -66,6 +67,26 @@ def test_max_batch_tokens_bounds_each_forward_pass_not_the_scores(saved):
     assert [rows for rows, _ in passes] == [2, 2] and all(tokens <= 260 for _, tokens in passes)
     with pytest.raises(ValueError, match="max_batch_tokens must be >= 1"):
         Reranker.load(saved, max_batch_tokens=0)
+
+
+def test_max_batch_tokens_auto_caps_a_cpu_pass_and_leaves_an_accelerator_free(saved):
+    from hllm.reranker import CPU_MAX_BATCH_TOKENS, resolve_max_batch_tokens
+
+    assert resolve_max_batch_tokens("auto", torch.device("cpu")) == CPU_MAX_BATCH_TOKENS
+    assert resolve_max_batch_tokens("auto", torch.device("cuda")) is None  # batching is what pays there
+    assert resolve_max_batch_tokens(None, torch.device("cpu")) is None and resolve_max_batch_tokens(300, torch.device("cuda")) == 300
+    for bad in (0, -1, "lots", True):
+        with pytest.raises(ValueError, match="max_batch_tokens"):
+            resolve_max_batch_tokens(bad, torch.device("cpu"))
+    reranker = Reranker.load(saved, device="cpu")
+    assert reranker.max_batch_tokens == "auto"  # the default
+    passes = []
+    real = reranker.tensors
+    reranker.tensors = lambda chunk: passes.append(len(chunk) * max(len(p.input_ids) for p in chunk)) or real(chunk)
+    prompt = reranker.encode("red boots", DOCS)
+    many = CPU_MAX_BATCH_TOKENS // len(prompt.input_ids) + 1  # one more prompt than a CPU pass holds
+    reranker.score_encoded([prompt] * many)
+    assert len(passes) == 2 and max(passes) <= CPU_MAX_BATCH_TOKENS
 
 
 def test_merged_lora_ranks_like_the_adapter(saved):

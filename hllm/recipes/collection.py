@@ -32,7 +32,8 @@ class RerankSpec:
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
     batch_size: int = 16  # prompts per forward pass
-    max_batch_tokens: int | None = None  # and at most this many padded tokens per forward pass (student; None: no cap)
+    # and at most this many padded tokens per forward pass (student; None: no cap; auto: a CPU's cap, none on a GPU)
+    max_batch_tokens: int | Literal["auto"] | None = "auto"
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     tag: str = "hllm"  # the run file's last column
