@@ -221,3 +221,26 @@ def test_the_lora_step_benchmark_runs_at_a_tiny_size(tmp_path):
     for line in proc.stdout.splitlines():
         if line.strip().endswith(" s"):
             assert float(line.rsplit(":", 1)[1].split()[0]) > 0
+
+
+def test_a_variant_grades_the_teacher_to_its_own_depth(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from hllm.recipes.distilltext import Fitter, Query, Variant
+    from hllm.records import Candidate, Query as Q, RerankRequest
+
+    cfg = tiny_config(tmp_path)  # teacher_depth=4
+    slate = RerankRequest(Q("q0", "text"), [Candidate(f"d{i}", "x") for i in range(6)], [0, 1, 0, 2, 0, 0])
+    query = Query(slate, {layer: torch.zeros(6, 2 * 3) for layer in cfg.layers}, {"gold": [3, 1, 0, 2, 5, 4]})
+    fitter = Fitter(cfg, None, width=3)
+    for depth, want in ((None, [2, 3, 1, 4, 0, 0]), (6, [4, 5, 3, 6, 1, 2]), (1, [0, 0, 0, 1, 0, 0])):
+        v = Variant(name="v", target="teacher", layer=2, pooling="mean", teacher_depth=depth)
+        items, _ = fitter.views(v, "gold", [query])
+        assert items[0].utility == want and items[0].states.shape == (6, 3)
+    both = Variant(name="b", target="both", layer=2, teacher_depth=6)
+    items, _ = fitter.views(both, "gold", [query])
+    assert items[0].utility == pytest.approx([g + 3.0 * t / 6 for g, t in zip([0, 1, 0, 2, 0, 0], [4, 5, 3, 6, 1, 2])])
+    with pytest.raises(ValueError, match="teacher_depth must be >= 1"):
+        DistillTextConfig(teachers=cfg.teachers, variants=[dataclasses.replace(v, layer=16, teacher_depth=0)])

@@ -81,6 +81,7 @@ class Variant:
     pooling: Pooling = "last+mean"  # a part of the cached pooling
     loss: dict[str, float] | None = None  # sgd: hllm.train.losses terms (None: TARGET_LOSS[target])
     sample_items: int | None = None  # sgd: sub-slates of this many candidates, the teacher's relative order
+    teacher_depth: int | None = None  # ridge target: the teacher's top this many graded (None: the config's)
 
 
 @dataclass
@@ -127,6 +128,8 @@ class DistillTextConfig:
         for v in self.variants:
             if v.layer not in self.layers:
                 raise ValueError(f"variant {v.name}: layer {v.layer} is not among layers {self.layers}")
+            if v.teacher_depth is not None and v.teacher_depth < 1:
+                raise ValueError(f"variant {v.name}: teacher_depth must be >= 1")
             if not set(POOLINGS[v.pooling]) <= cached:
                 raise ValueError(f"variant {v.name}: pooling {v.pooling!r} is not part of ranker.pooling {self.ranker.pooling!r}")
         if len({v.name for v in self.variants}) != len(self.variants):
@@ -197,10 +200,11 @@ class Fitter:
             perm = q.perms[teacher] if teacher else None
             grades = j.grades(0)  # unjudged as 0, as trec_eval scores them
             utility = None
+            depth = v.teacher_depth or self.cfg.teacher_depth
             if v.target == "teacher":
-                utility = [float(g) for g in teacher_grades(perm, self.cfg.teacher_depth)]
+                utility = [float(g) for g in teacher_grades(perm, depth)]
             elif v.target == "both":  # the judged grade (0-3) and the teacher's grade scaled to 0-3
-                utility = [g + 3.0 * t / self.cfg.teacher_depth for g, t in zip(grades, teacher_grades(perm, self.cfg.teacher_depth))]
+                utility = [g + 3.0 * t / depth for g, t in zip(grades, teacher_grades(perm, depth))]
             items.append(StateSlate(q.slate, x, perm if v.target != "judgments" else None, utility))
         return items, judge
 
