@@ -95,6 +95,7 @@ def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(dist
     assert all(x.relevance >= y.relevance for x, y in zip(ranked, ranked[1:]))
     cal = report["calibration"]
     assert cal["oof"]["items"] == 9 * 8 and card["relevance_score"]["ece_held_out_queries"] == pytest.approx(cal["oof"]["ece"])
+    assert cal["trial"] == card["variant"]  # calibrated on the shipped variant's own out-of-fold matrices
     assert cal["cross_year"]["b"]["items"] == 4 * 8
     provenance = json.loads((tmp_path / "shipped" / "provenance.json").read_text())
     for name, digest in provenance["sha256"].items():  # the shipped files are the ones measured

@@ -21,8 +21,8 @@ candidates), `student_distilled` (teacher-only targets), `student_both` (teacher
 `student_judged` (judgments only). Each variant's own test figures are kept as the ablation. A
 finished fold is kept in `output_dir/folds`: a stopped run resumes at the next fold.
 `cross_year`: distilled on every query of the teacher's collection, tested on other collections.
-`relevance_score`: the first teacher's distilled student calibrated (`hllm.model.calibration`) on its
-out-of-fold matrices; ECE on held-out queries (calibrated on the other folds') and cross-year.
+`relevance_score`: the first teacher's distilled student calibrated (`hllm.model.calibration`) on the
+out-of-fold matrices of the variant it ships; ECE on held-out queries (calibrated on the other folds') and cross-year.
 `ship_to`: that student, fitted on every query, saved with its calibration, model card and provenance.
 Writes report.json; `pipelines/distill_text.py` (`hllm distilltext`) records it in MLflow.
 """
@@ -316,11 +316,13 @@ def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) 
             "fold_of": [fold_of[i] for i in range(len(queries))]}
 
 
-def calibration(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any], method: str) -> tuple[Calibrator, dict]:
-    """P(relevant) for `method`'s student from its out-of-fold matrices (each query scored by a head that
-    never saw it): the ECE on each fold's queries of a calibrator fitted on the other folds' (summed
-    over the folds: every query held out once), and the calibrator fitted on all of them (the shipped one)."""
-    mats, perms = folds["method_matrices"][method], folds["method_orders"][method]
+def calibration(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any], trial: str) -> tuple[Calibrator, dict]:
+    """P(relevant) for the student `trial` ships, from that trial's out-of-fold matrices (each query scored
+    by the trial fitted on the other folds: a head that never saw it, of the variant shipped — not the mix of
+    variants the folds chose, whose matrices differ in scale): the ECE on each fold's queries of a
+    calibrator fitted on the other folds' (summed over the folds: every query held out once), and the
+    calibrator fitted on all of them (the shipped one)."""
+    mats, perms = folds["trial_matrices"][trial], folds["trial_orders"][trial]
     grades = [q.slate.grades for q in queries]
     sums = ReliabilitySums(10, cfg.rel)
     for f in sorted(set(folds["fold_of"])):
@@ -427,7 +429,7 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
                                                                              f"student_distilled@{teacher.name}")},
         "cross_year": {c: t["methods"].get(f"student_distilled@{teacher.name}") for c, t in everything["tests"].items()},
         "input": "candidates in first-stage order, best first: the prior reads their ranks",
-        "relevance_score": {"what": f"calibrated P(grade >= {cfg.rel}), fitted on the out-of-fold matrices of the teacher-folds",
+        "relevance_score": {"what": f"calibrated P(grade >= {cfg.rel}), fitted on this variant's out-of-fold matrices of the teacher-folds",
                             "fitted_on": calibrator.fitted_on, "ece_held_out_queries": calibrated["oof"]["ece"],
                             "ece_cross_year": {c: r["ece"] for c, r in calibrated["cross_year"].items()}},
     }
@@ -452,9 +454,9 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
     log.info("teacher-folds done in %.0fs", time.perf_counter() - t0)
     everything = fit_everything(cfg, fitter, queries, others)
     method = f"student_distilled@{cfg.teachers[0].name}"
-    calibrator, oof = calibration(cfg, queries, folds, method)
     shipped = everything["chosen"][method]
-    calibrated = {"method": method, "fitted_on": calibrator.fitted_on, "oof": oof, "cross_year": {
+    calibrator, oof = calibration(cfg, queries, folds, shipped)
+    calibrated = {"method": method, "trial": shipped, "fitted_on": calibrator.fitted_on, "oof": oof, "cross_year": {
         c: calibration_sums(calibrator, everything["matrices"][c][shipped], everything["orders"][c][shipped],
                             [q.slate.grades for q in qs]).report() for c, qs in others.items()}}
     report = {"config": fingerprint(cfg), "collection": Path(cfg.collection).name, "coverage": coverage,
