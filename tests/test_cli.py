@@ -103,8 +103,13 @@ def test_a_crashed_rerank_resumes_from_its_shards(student, tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="killed"):
         main(args + ["--out", str(out)])
     assert not out.exists() and len(list((tmp_path / "run.trec.shards").glob("*.trec"))) == 2
-    monkeypatch.setattr(collection.ShardRanker, "__call__", real)
-    assert main(args[:-1] + ["--out", str(out)]) == 0  # the progress bar on: resumed at 2 of 4
+    ranked = []
+    monkeypatch.setattr(collection.ShardRanker, "__call__", lambda self, slates, progress=None:
+                        ranked.append(len(slates)) or real(self, slates, progress))
+    # resumed at 2 of 4 (the progress bar on), run otherwise: how the work runs is not what ranks
+    how = ["--threads", "1", "--batch-size", "3", "--max-batch-tokens", "none", "--device", "cpu"]
+    assert main(args[:-1] + how + ["--out", str(out)]) == 0
+    assert ranked == [1, 1]  # only the two shards not on disk
     assert out.read_text() == (tmp_path / "clean.trec").read_text()
 
 

@@ -42,6 +42,14 @@ class RerankSpec:
         if (self.model is None) == (self.teacher is None):
             raise ValueError("give exactly one of a student model or a teacher job folder")
 
+    def ranking_settings(self) -> dict[str, Any]:
+        """The fields that decide the rankings, which a resumed run must share with its shards; how the
+        work runs (`RUN_ONLY`: batch sizes, token cap, device, threads) may change between runs."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_ONLY}
+
+
+RUN_ONLY = ("batch_size", "max_batch_tokens", "device", "threads")  # RerankSpec fields that do not change a ranking
+
 
 class ShardRanker:
     """Loads the ranker once; `__call__(slates) -> (orders, stats)` ranks one shard."""
@@ -125,7 +133,7 @@ def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: st
     """-> (the run file, totals over all shards: queries, windows, failed, resumed shards)."""
     from tqdm.auto import tqdm
 
-    run = ShardedRun(out, slates, shard_size, {**dataclasses.asdict(spec), **(settings or {})})
+    run = ShardedRun(out, slates, shard_size, {**spec.ranking_settings(), **(settings or {})})
     todo = run.todo()
     resumed = len(run.shards) - len(todo)
     with tqdm(total=len(slates), initial=len(slates) - sum(len(s) for s in todo), unit="query",
