@@ -8,7 +8,7 @@ computed first, as the recipe would) and writes reports/distill_limits.md:
 
 - learning curve: on each of the recipe's teacher-folds the fold's training queries are cut to n (a
   random subset, `--draws` of them), the variant chooses its settings by the recipe's CV on that subset
-  (`hllm.train.head_fit.cv_ridge`), and ranks the fold's test queries once; nDCG@10 is the mean over
+  (`Fitter.fit`), and ranks the fold's test queries once; nDCG@10 is the mean over
   the test queries (every query once) and the draws. n = all is the recipe's own figure.
 - in-sample reach: the variant fitted on every query at each (L2, prior scale) of the grid and scored
   on those same queries: the best a linear probe on these states reaches having seen the test queries,
@@ -32,12 +32,7 @@ from hllm.eval.evaluation import first_stage_order, quality  # noqa: E402
 from hllm.model.item_states import POOLINGS  # noqa: E402
 from hllm.model.ranker import SinglePassRanker  # noqa: E402
 from hllm.recipes.distilltext import FOLD_SALT, DistillTextConfig, Fitter, load_queries  # noqa: E402
-from hllm.train.head_fit import cv_ridge, query_folds, ridge_utilities, set_utility, state_orders  # noqa: E402
-
-
-def ndcg(fitter: Fitter, variant, queries) -> float:
-    """nDCG@10 of the head now in `fitter.ranker` over `queries`."""
-    return quality([q.slate for q in queries], state_orders(fitter.ranker, fitter.judged(variant, queries)), fitter.cfg.rel)["nDCG@10"]
+from hllm.train.head_fit import judged_ndcg, query_folds, ridge_utilities, set_utility  # noqa: E402
 
 
 def learning_curve(fitter: Fitter, variant, teacher: str, queries, sizes: list[int], draws: int) -> dict[int | str, list[float]]:
@@ -50,10 +45,8 @@ def learning_curve(fitter: Fitter, variant, teacher: str, queries, sizes: list[i
             rng, held = random.Random(draw), []
             for train_idx, test_idx in folds:
                 pick = train_idx if n == "all" else rng.sample(train_idx, min(n, len(train_idx)))
-                items, judge = fitter.views(variant, teacher, [queries[i] for i in pick])
-                fitter.new_head(variant)
-                cv_ridge(fitter.ranker, items, judge, cfg.cv_folds, cfg.ridge_lambdas, cfg.prior_scales, cfg.rel)
-                held += [ndcg(fitter, variant, [queries[i]]) for i in test_idx]
+                fitter.fit(variant, teacher, [queries[i] for i in pick])  # its settings by the recipe's CV
+                held += [judged_ndcg(fitter.ranker, fitter.judged(variant, [queries[i]]), cfg.rel) for i in test_idx]
             curve.setdefault(n, []).append(float(np.mean(held)))
             print(f"  n={n} draw {draw}: {curve[n][-1]:.4f}", flush=True)
     return curve
@@ -68,7 +61,7 @@ def in_sample(fitter: Fitter, variant, teacher: str, queries) -> tuple[float, fl
     for lam, (w, b) in zip(cfg.ridge_lambdas, ridge_utilities(items, cfg.ridge_lambdas)):
         for scale in cfg.prior_scales:
             set_utility(fitter.ranker, w, b, scale)
-            best = max(best, (ndcg(fitter, variant, queries), lam, scale))
+            best = max(best, (judged_ndcg(fitter.ranker, fitter.judged(variant, queries), cfg.rel), lam, scale))
     return best
 
 
@@ -96,6 +89,8 @@ def main() -> None:
              f"First stage {first:.4f}; {teacher} {taught:.4f}; half of the teacher's gain: {(first + taught) / 2:.4f}.", ""]
     for name in args.variants:
         v = by_name[name]
+        if v.fit != "ridge":
+            raise SystemExit(f"{name}: the in-sample reach is the closed-form probe's; pass ridge variants")
         target = None if v.target == "judgments" else teacher
         print(f"{name}: learning curve", flush=True)
         curve = learning_curve(fitter, v, target, queries, args.sizes, args.draws)
