@@ -91,6 +91,8 @@ class TeacherRanking:
     latency_s: float = 0.0
     windows: list[list[int]] = field(default_factory=list)  # candidates (input indices) of each window ranked, if any
     node: str = ""  # provenance: the worker (Ray node id) that generated it, where one is known
+    # why a served teacher gave no ranking (`hllm.teacher.endpoint.FAILURE_REASONS`: http_429, timeout, ...); "" if none
+    failure: str = ""
 
 
 @dataclass

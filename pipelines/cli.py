@@ -69,7 +69,11 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     from hllm.eval.runfile import evaluate, evaluate_run
     from hllm.recipes.collection import RerankSpec, rerank_collection
 
-    spec = RerankSpec(model=args.model, teacher=args.teacher, window=args.window, stride=args.stride,
+    if (args.teacher_url is None) != (args.teacher_model is None):
+        raise ValueError("--teacher-url and --teacher-model go together (the server's URL and its model's name)")
+    spec = RerankSpec(model=args.model, teacher=args.teacher, teacher_url=args.teacher_url, teacher_model=args.teacher_model,
+                      teacher_api_key_env=args.teacher_api_key_env, concurrency=args.concurrency, qps=args.qps,
+                      max_failed_share=args.max_failed_share, window=args.window, stride=args.stride,
                       windowing=args.windowing, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
                       device=args.device, threads=args.threads, tag=args.tag)
     slates, qrels, settings = _load_slates(args)
@@ -84,6 +88,10 @@ def cmd_rerank(args: argparse.Namespace) -> int:
           f"{stats['windows']} windows ({stats['windows'] / max(stats['queries'], 1):.1f} per query), "
           f"{stats['resumed_shards']} of {stats['shards']} shards resumed"
           + (f"; {stats['failed']} teacher answers without a permutation kept the first-stage order" if stats["failed"] else ""))
+    if "endpoint" in stats:
+        from hllm.teacher.endpoint import endpoint_figures, endpoint_line
+
+        print(f"teacher endpoint: {endpoint_line(endpoint_figures(stats['endpoint']))}")
     _warn_vocabulary(spec, stats, args.unknown_token_warning)
     if qrels is None:
         return 0
@@ -91,7 +99,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     judged = read_qrels(qrels)
     rel, why = _threshold(args.rel, judged)
     rows = {"first stage (input order)": evaluate(first_stage, judged, rel, None, "the input", str(qrels)),
-            ("teacher" if args.teacher else "reranked"): evaluate_run(path, qrels, rel)}
+            ("teacher" if args.teacher or args.teacher_url else "reranked"): evaluate_run(path, qrels, rel)}
     _report(rows, args.json, why)
     return 0
 
@@ -233,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     who = r.add_mutually_exclusive_group(required=True)
     who.add_argument("--model", help="student: a folder (runs/default/student), runs:/RUN_ID/student or models:/NAME@ALIAS")
     who.add_argument("--teacher", help="a job's output folder (runs/default): rerank with its AR teacher instead")
+    who.add_argument("--teacher-url", help="an OpenAI-compatible server's base URL (http://host:8000/v1): rerank with "
+                     "the AR teacher it serves (RankGPT prompt, sliding windows; answers kept in OUT.answers/)")
+    r.add_argument("--teacher-model", help="--teacher-url: the served model's name")
+    r.add_argument("--teacher-api-key-env", metavar="VAR", help="--teacher-url: the environment variable holding its API key")
+    r.add_argument("--concurrency", type=int, default=8, help="--teacher-url: requests in flight (all actors together)")
+    r.add_argument("--qps", type=float, help="--teacher-url: request starts a second, retries included (default: no cap)")
+    r.add_argument("--max-failed-share", type=float, default=0.05, metavar="SHARE",
+                   help="--teacher-url: stop once more queries failed (retries ran out, or no ranking in the answer)")
     r.add_argument("--data", required=True, help="a BEIR folder (corpus.jsonl, queries.jsonl, qrels/, runs/), a rank_llm "
                    "request JSONL, a TSV of (qid, docid, text) or (qid, query, docid, text), or an hllm JSONL")
     r.add_argument("--format", choices=READ_FORMATS, default="auto", help="auto: folder -> beir, .jsonl -> rank_llm, .tsv -> tsv")

@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,13 @@ from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_me
                               mlflow_run, parse_job, tracking_uri)
 
 log = logging.getLogger("hllm.pipelines.distill")
+
+
+def say(line: str) -> None:
+    """One line of a Train worker's progress, once: Ray Train v2 patches `print` in its workers to log the text
+    *and* tee it to the wrapped stdout, so a print reaches the driver twice; a write to stdout is seen once."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def deepspeed_config(cfg: PipelineConfig, gpu: bool) -> dict[str, Any]:
@@ -101,6 +109,9 @@ def train_func(config: dict[str, Any]) -> None:
     from hllm.model.ranker import SinglePassRanker
     from hllm.train.loop import make_optimizer, param_groups, student_batch, student_examples, student_loss, train_loop, validation_loss
 
+    # DeepSpeed's ZeRO-2 gathers call torch's deprecated `all_gather_into_tensor`: not ours to change
+    warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     cfg = from_dict(PipelineConfig, config["job"])
     rcfg = from_dict(RankerConfig, config["ranker"])
     ctx = ray.train.get_context()
@@ -154,12 +165,11 @@ def train_func(config: dict[str, Any]) -> None:
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                                  checkpoint_dir_name=f"checkpoint_{row['step']:06d}")
             if rank == 0:
-                print(f"distill checkpoint at step {row['step']}: save {t1 - t0:.1f}s, report {time.perf_counter() - t1:.1f}s",
-                      flush=True)
+                say(f"distill checkpoint at step {row['step']}: save {t1 - t0:.1f}s, report {time.perf_counter() - t1:.1f}s")
 
     def progress(step: int, row: dict) -> None:  # the worker's stdout reaches the driver's log
         held_out = f", held-out loss {row['val_loss']:.4f}" if "val_loss" in row else ""
-        print(f"distill step {step}/{t.steps} loss {row['loss']:.4f}{held_out} ({row['elapsed_s']:.0f}s)", flush=True)
+        say(f"distill step {step}/{t.steps} loss {row['loss']:.4f}{held_out} ({row['elapsed_s']:.0f}s)")
 
     pad = ranker.tokenizer.pad_token_id
     ranker.train()
@@ -203,8 +213,19 @@ def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Pat
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             worker_runtime_env={"env_vars": env}),
         datasets={"train": train_dataset(cfg, train_dir)},
+        dataset_config=ray.train.DataConfig(execution_options=ingest_options()),
     )
     return trainer.fit()
+
+
+def ingest_options():
+    """Ray Train's default ingest options less `exclude_resources` (Train 2.60 copies it into every dataset's
+    options, and Ray Data warns it is deprecated): the current context's limits, order and progress settings."""
+    from ray.data import DataContext, ExecutionOptions
+
+    current = DataContext.get_current().execution_options
+    return ExecutionOptions(resource_limits=current.resource_limits, preserve_order=current.preserve_order,
+                            verbose_progress=current.verbose_progress)
 
 
 def train_dataset(cfg: PipelineConfig, train_dir: Path) -> Any:

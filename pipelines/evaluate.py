@@ -70,7 +70,7 @@ def ray_scorer(cfg: PipelineConfig, teacher_model: ModelConfig) -> ScoreTest:
         sums = ds.map_batches(
             EvalActor,
             fn_constructor_args=(to_dict(cfg), to_dict(teacher_model), str(Path(student_dir).resolve()), gpu),
-            batch_size=1, batch_format="pyarrow", concurrency=cfg.cluster.teacher_actors,
+            batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.cluster.teacher_actors),
             num_gpus=1 if gpu else 0, num_cpus=cfg.cluster.teacher_cpus_per_actor,
             **({"scheduling_strategy": "SPREAD"} if cfg.cluster.spread else {}),
         )

@@ -11,10 +11,17 @@ supplies how: each actor loads the teacher once and, per batch of slates, calls
 `hllm.recipes.stages.rank_and_write`, which writes one shard of the rankings store (`hllm.data.store`:
 typed Parquet, atomic, its summary in the footer). A restarted run skips the slates already written
 and ends with exactly one row per slate. Every split (train, val, test) is produced this way.
+
+A served teacher (`teacher.endpoint`, docs/teachers.md) goes the same way: each actor holds an
+`hllm.teacher.endpoint.EndpointTeacher` with its share of `teacher.endpoint.concurrency` and `qps`, needs no GPU,
+and reports its failed slates per reason with each batch; the driver stops the pool once the split's failures
+pass `teacher.max_failed_share` (`FailureBudget`), naming the reason, the count and an example.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import resource
 import sys
@@ -32,6 +39,7 @@ from hllm.data.progress import Progress  # noqa: E402
 from hllm.data.splits import SPLITS  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
 from hllm.recipes.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
+from hllm.teacher.endpoint import FailureBudget  # noqa: E402
 from pipelines import data as data_stage  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job,
                               wait_for_actors)  # noqa: E402
@@ -59,14 +67,16 @@ class TeacherActor:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from hllm.recipes.stages import rank_and_write
+        from hllm.teacher.endpoint import failure_counts
 
         t0 = time.perf_counter()
         slates = [s for s in store.slates_from_rows(batch.select(["slate"]).to_pylist()) if s.slate_id not in self.done]
-        if slates:
-            rank_and_write(self.teacher, slates, self.out_dir, node=self.node_id)
+        items = rank_and_write(self.teacher, slates, self.out_dir, node=self.node_id) if slates else []
+        failures, examples = failure_counts([i.ranking for i in items])
         return pa.table({"ranked": [len(slates)], "skipped": [batch.num_rows - len(slates)],
                          "seconds": [time.perf_counter() - t0], "node": [self.node_id],
-                         "peak_mb": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]})
+                         "peak_mb": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],
+                         "failures": [json.dumps(failures)], "examples": [json.dumps(examples)]})
 
 
 def slates_dataset(source: store.SplitSlates, batch: int) -> Any:
@@ -91,14 +101,18 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
         import ray
 
         init_ray(cfg.cluster)
-        gpu = cluster_has_gpus(cfg.cluster) and cfg.teacher.rankings is None  # a rankings file needs no GPU
+        remote = cfg.teacher.rankings is not None or cfg.teacher.endpoint.url is not None
+        gpu = cluster_has_gpus(cfg.cluster) and not remote  # a rankings file or a server needs no GPU here
+        # a served teacher: the job's concurrency and qps shared among the actors
+        job = to_dict(dataclasses.replace(cfg, teacher=dataclasses.replace(
+            cfg.teacher, endpoint=cfg.teacher.endpoint.split_among(cfg.cluster.teacher_actors))))
         directory.mkdir(parents=True, exist_ok=True)
         batch = cfg.cluster.teacher_batch_slates
         ds = slates_dataset(source, batch)
         wait_for_actors(ds, cfg.cluster)
         ranked = ds.map_batches(
             TeacherActor,
-            fn_constructor_kwargs={"job": to_dict(cfg), "teacher_model": to_dict(teacher_model),
+            fn_constructor_kwargs={"job": job, "teacher_model": to_dict(teacher_model),
                                    "out_dir": str(directory), "use_gpu": gpu},
             batch_size=batch, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=cfg.cluster.teacher_actors),
@@ -107,11 +121,13 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
         )
         progress = Progress(f"teacher rankings {source.split}", source.count - store.index(directory).slates, log)
         peak, batches_by_node = 0.0, {}
+        budget = FailureBudget(source.split, source.count, cfg.teacher.max_failed_share)
         for rows in ranked.iter_batches(batch_size=None, batch_format="pyarrow"):  # streams: a row per batch
             for r in rows.to_pylist():
                 progress.update(r["ranked"])
                 peak = max(peak, r["peak_mb"])
                 batches_by_node[r["node"]] = batches_by_node.get(r["node"], 0) + 1
+                budget.add_counts(json.loads(r["failures"]), json.loads(r["examples"]))  # past the budget: stops here
         return {"worker_peak_mb": round(peak, 1), "batches_by_node": batches_by_node}
     return rank
 

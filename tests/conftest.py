@@ -13,6 +13,11 @@ import torch
 
 from hllm.data.synthetic import SyntheticConfig, generate
 from hllm.model.backbones import ModelConfig, load_backbone
+from teacher_server import API_KEY
+
+# the served teacher's key, in the environment before the session's Ray starts, so its workers read it as
+# a deployment's would (never in a config): tests/test_endpoint_teacher.py
+os.environ.setdefault("HLLM_TEST_TEACHER_KEY", API_KEY)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SERVE_PORT = 8123  # the session's one Serve HTTP port (Serve keeps the first serve.start's options)
@@ -86,3 +91,27 @@ def gold_run(slates, path, skip=(), foreign=()):
         lines += [f"{s.slate_id}\t{d}\t{r + 1}\t{100 - r}" for r, d in enumerate(docids)]
     lines.append("no-such-query\tx\t1\t1")
     path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="session")
+def teacher_server():
+    """A real OpenAI-compatible teacher for the session: llama.cpp's server with SmolLM2-135M-Instruct, on a free
+    loopback port, stopped at the end (tests/teacher_server.py); skips where it cannot be installed."""
+    from teacher_server import LlamaServer, why_unavailable
+
+    reason = why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    server = LlamaServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fault_proxy(teacher_server):
+    """A fault-injecting proxy in front of the session's teacher server (its queue starts empty)."""
+    from teacher_server import FaultProxy
+
+    proxy = FaultProxy(teacher_server.url, hang_s=3.0)
+    yield proxy
+    proxy.stop()

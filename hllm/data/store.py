@@ -180,6 +180,19 @@ def index(directory: str | Path, summarize: Summarize = base_summary) -> StoreIn
     return StoreIndex(len(paths), total)
 
 
+def drop_shards(directory: str | Path, predicate: Callable[[Summary], bool]) -> int:
+    """Deletes the shards whose footer summary satisfies `predicate` (e.g. shards with failed slates, to be
+    ranked again); -> the slates they held."""
+    dropped = 0
+    for path in shards(directory):
+        meta = pq.read_schema(path).metadata or {}
+        summary = json.loads(meta[SUMMARY_KEY]) if SUMMARY_KEY in meta else {}
+        if predicate(summary):
+            dropped += summary.get("slates", 0)
+            path.unlink()
+    return dropped
+
+
 def shards(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob("part-*.parquet"))  # temp files start with "."
 

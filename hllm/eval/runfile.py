@@ -21,7 +21,7 @@ from typing import Any
 import ir_measures
 
 from hllm.data.readers import DataFormatError, read_qrels, read_run
-from hllm.data.store import shard_name
+from hllm.data.store import merge, shard_name
 from hllm.eval.metrics import ir_measure_names
 from hllm.records import RerankRequest
 
@@ -65,7 +65,7 @@ class ShardWriter:
         return self.directory / shard_name([s.slate_id for s in shard], ".trec")
 
     def write(self, shard: Sequence[RerankRequest], orders: Sequence[Sequence[int]], tag: str,
-              stats: dict[str, int] | None = None) -> None:
+              stats: dict[str, Any] | None = None) -> None:
         """One shard's run lines, and its counts beside them (the lines land last: they mark it done)."""
         path = self.path(shard)
         if not self.manifest.exists():  # written with the first shard: a run that fails to start leaves nothing
@@ -106,14 +106,13 @@ class ShardedRun:
         """The shards not on disk yet, in plan order."""
         return [s for s in self.shards if not self.writer.path(s).exists()]
 
-    def stats(self) -> dict[str, int]:
-        """Counts summed over the shards on disk."""
-        totals: dict[str, int] = {}
+    def stats(self) -> dict[str, Any]:
+        """Counts summed over the shards on disk (nested counts key by key)."""
+        totals: dict[str, Any] = {}
         for shard in self.shards:
             path = self.writer.path(shard)
             if path.exists() and path.with_suffix(".json").exists():
-                for k, v in json.loads(path.with_suffix(".json").read_text()).items():
-                    totals[k] = totals.get(k, 0) + int(v)
+                totals = merge(totals, json.loads(path.with_suffix(".json").read_text()))
         return totals
 
     def finish(self) -> Path:

@@ -185,6 +185,31 @@ class PromptBuilder:
         return EncodedPrompt(ids + tail, positions, cut, query_truncated, sum(map(len, shown)), unknown, spans, budget)
 
 
+def prompt_messages(cfg: PromptConfig, query: str, documents: Sequence[str]) -> list[dict[str, str]]:
+    """The same prompt as chat messages, for a teacher behind an API (`hllm.teacher.endpoint`), whose
+    tokenizer is the server's: the system turn, then the template's words around the numbered documents.
+    Without the tokenizer, the caps count whitespace words: the query is cut to `max_query_tokens` words
+    and each document to `max_doc_tokens` words (a word is one token or more, so the cut is never
+    looser than the local prompt's)."""
+    if not documents:
+        raise ValueError("no documents to rank")
+    template, n = TEMPLATES[cfg.template], len(documents)
+    query = " ".join(query.split()[: cfg.max_query_tokens])
+    restated = template.item_query.format(query=query) if template.item_query else ""
+    lines = []
+    for i, doc in enumerate(documents, start=1):
+        text = " ".join(doc.split()[: cfg.max_doc_tokens])
+        lines.append((f"{text} [{i}]" if template.label_after else f"[{i}] {text}") + restated)
+    user = template.prefix.format(num=n, query=query) + "\n".join(lines) + "\n" + template.suffix.format(num=n, query=query)
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def answer_chars(n: int) -> int:
+    """Characters of the full answer `[1] > [2] > ... > [n]`: a bound on its tokens under any tokenizer
+    that spends at most one token per ASCII character (byte-level BPE, SentencePiece with byte fallback)."""
+    return len(" > ".join(f"[{i}]" for i in range(1, n + 1)))
+
+
 def document_text(candidate: Candidate) -> str:
     """What the prompt shows of a candidate: `title: text`, or the text alone."""
     return f"{candidate.title}: {candidate.text}" if candidate.title else candidate.text

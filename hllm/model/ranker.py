@@ -13,9 +13,11 @@ the head reads the hidden state at the last token of every candidate. This modul
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -123,11 +125,21 @@ def cut_backbone(model: nn.Module, layers: int | None) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def peft_on_transformers():
+    """peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` alias when it wraps a model; that
+    FutureWarning is about peft's code, not ours, so it is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def adapt_backbone(model: nn.Module, cfg: AdaptConfig) -> nn.Module:
     if cfg.mode == "lora":
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=list(cfg.lora_targets), bias="none")
-        return get_peft_model(model, lora)
+        with peft_on_transformers():
+            return get_peft_model(model, lora)
     model.requires_grad_(cfg.mode == "full")
     return model
 
@@ -231,7 +243,8 @@ class SinglePassRanker(nn.Module):
         model, tokenizer = load_backbone(model_cfg)
         model = cut_backbone(model, cfg.state_layer)
         if cfg.adapt.mode == "lora":
-            model = PeftModel.from_pretrained(model, directory / "adapter", is_trainable=trainable)
+            with peft_on_transformers():
+                model = PeftModel.from_pretrained(model, directory / "adapter", is_trainable=trainable)
             if merge_lora:
                 model = model.merge_and_unload()
         ranker = cls(model, tokenizer, dataclasses.replace(cfg, model=model_cfg))

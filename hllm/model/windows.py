@@ -102,7 +102,8 @@ def rank_in_windows(sizes: Sequence[int], rank_windows: Callable[[list[tuple[int
     return orders, calls  # type: ignore[return-value]
 
 
-def _merge(counts: list[ParseCounts]) -> ParseCounts:
+def merge_counts(counts: list[ParseCounts]) -> ParseCounts:
+    """A slate's windows' parse flags -> one answer's: a flag raised by any window, ok when all were."""
     merged = ParseCounts(total=1)
     for f in ("wrong_format", "repeated", "missing", "out_of_range"):
         setattr(merged, f, int(any(getattr(c, f) for c in counts)))
@@ -136,7 +137,8 @@ def rank_with_windows(rank: Callable[[list[RerankRequest]], list[TeacherRanking]
         failed = any(r.permutation is None for r in results)
         out.append(TeacherRanking(
             slate_id=req.slate_id, permutation=None if failed else order,
-            raw_text=" || ".join(r.raw_text for r in results), counts=_merge([r.counts for r in results]),
+            raw_text=" || ".join(r.raw_text for r in results), counts=merge_counts([r.counts for r in results]),
             prompt_tokens=sum(r.prompt_tokens for r in results), output_tokens=sum(r.output_tokens for r in results),
-            latency_s=sum(r.latency_s for r in results), windows=windows))
+            latency_s=sum(r.latency_s for r in results), windows=windows,
+            failure=next((r.failure for r in results if r.failure), "")))
     return out

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hllm.data.store import merge
 from hllm.eval.runfile import ShardedRun
 from hllm.records import RerankRequest
+from hllm.teacher.endpoint import FailureBudget
 
 @dataclass
 class RerankSpec:
@@ -28,6 +30,12 @@ class RerankSpec:
 
     model: str | None = None  # a student: folder, runs:/RUN_ID/student or models:/NAME@ALIAS
     teacher: str | None = None  # or a job's output folder: its AR teacher (config.json says which)
+    teacher_url: str | None = None  # or an OpenAI-compatible server's base URL: the AR teacher it serves
+    teacher_model: str | None = None  # the served model's name (with teacher_url)
+    teacher_api_key_env: str | None = None  # the environment variable holding its API key (with teacher_url)
+    concurrency: int = 8  # a served teacher: requests in flight (all actors together)
+    qps: float | None = None  # a served teacher: request starts a second (all actors together)
+    max_failed_share: float = 0.05  # a served teacher: stop once more queries failed (retries ran out, no ranking)
     window: int | None = None  # None: the student's own window (its config's, else its head's K; teacher: 20)
     stride: int | None = None  # sliding windows' step (None: window // 2)
     windowing: Literal["sliding", "blocks"] = "sliding"
@@ -39,8 +47,10 @@ class RerankSpec:
     tag: str = "hllm"  # the run file's last column
 
     def __post_init__(self) -> None:
-        if (self.model is None) == (self.teacher is None):
-            raise ValueError("give exactly one of a student model or a teacher job folder")
+        if sum(x is not None for x in (self.model, self.teacher, self.teacher_url)) != 1:
+            raise ValueError("give exactly one of a student model, a teacher job folder or a teacher URL")
+        if (self.teacher_url is None) != (self.teacher_model is None):
+            raise ValueError("a served teacher needs both its URL and its model's name (--teacher-url, --teacher-model)")
 
     def ranking_settings(self) -> dict[str, Any]:
         """The fields that decide the rankings, which a resumed run must share with its shards; how the
@@ -48,13 +58,17 @@ class RerankSpec:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_ONLY}
 
 
-RUN_ONLY = ("batch_size", "max_batch_tokens", "device", "threads")  # RerankSpec fields that do not change a ranking
+# RerankSpec fields that do not change a ranking (a served teacher's: where it is and how hard it is driven)
+RUN_ONLY = ("batch_size", "max_batch_tokens", "device", "threads", "teacher_url", "teacher_api_key_env", "concurrency",
+            "qps", "max_failed_share")
 
 
 class ShardRanker:
-    """Loads the ranker once; `__call__(slates) -> (orders, stats)` ranks one shard."""
+    """Loads the ranker once; `__call__(slates) -> (orders, stats)` ranks one shard. A served teacher's
+    failures count against `FailureBudget(queries, spec.max_failed_share)`: past it, the shard in hand is not
+    written and the run stops (a rerun asks again only what failed; the rest comes from the answer cache)."""
 
-    def __init__(self, spec: RerankSpec):
+    def __init__(self, spec: RerankSpec, queries: int = 0, answers: str | Path | None = None, workers: int = 1):
         import torch
 
         from hllm.reranker import Reranker
@@ -67,21 +81,23 @@ class ShardRanker:
                                           stride=spec.stride, windowing=spec.windowing,
                                           max_batch_tokens=spec.max_batch_tokens)
             self.reranker.window = spec.window or self.reranker.default_window  # the default needs the loaded model
+        elif spec.teacher_url is not None:
+            self.teacher = served_teacher(spec, answers, workers)
         else:
             self.teacher = load_job_teacher(spec)
+        self.budget = FailureBudget("rerank", queries, spec.max_failed_share) if spec.teacher_url else None
 
     def __call__(self, slates: Sequence[RerankRequest], progress: Callable[[int], None] | None = None
                  ) -> tuple[list[list[int]], dict[str, int]]:
         """A shard, `batch_size` queries at a time (their windows share forward passes); `progress(n)` is
         told after each such group, so a long shard shows its queries done as they are."""
         orders: list[list[int]] = []
-        totals: dict[str, int] = {}
+        totals: dict[str, Any] = {}
         step = max(1, self.spec.batch_size)
         for start in range(0, len(slates), step):
             part, stats = self._rank(slates[start:start + step])
             orders += part
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0) + v
+            totals = merge(totals, stats)
             if progress is not None:
                 progress(len(part))
         return orders, totals
@@ -94,12 +110,14 @@ class ShardRanker:
             ranked = self.reranker.windowed_orders([s.query.text for s in slates], docs)
             return ranked.orders, {"queries": len(slates), "windows": sum(ranked.windows), "failed": 0,
                                    "unknown_tokens": sum(ranked.unknown_tokens), "shown_tokens": sum(ranked.shown_tokens)}
-        rankings = self.teacher.rank(list(slates))
+        rankings, extra = self.teacher.rank_summarized(list(slates))
+        if self.budget is not None:
+            self.budget.add(rankings)
         orders = [r.permutation if r.permutation is not None else list(range(len(s.candidates)))
                   for s, r in zip(slates, rankings)]
         windows = sum(max(1, len(r.windows)) for r in rankings)
         return orders, {"queries": len(slates), "windows": windows,
-                        "failed": sum(r.permutation is None for r in rankings)}
+                        "failed": sum(r.permutation is None for r in rankings), **extra}
 
 
 def load_job_teacher(spec: RerankSpec):
@@ -123,6 +141,26 @@ def load_job_teacher(spec: RerankSpec):
     return load_teacher(teacher_model(cfg), cfg, resolve_device(spec.device))
 
 
+def served_teacher(spec: RerankSpec, answers: str | Path | None, workers: int = 1):
+    """The served teacher of `--teacher-url`: RankGPT's prompt, windows as the spec says (20 by default, the
+    answers repaired and counted), its share of the concurrency and qps when `workers` processes ask at once."""
+    from hllm.model.prompts import PromptConfig
+    from hllm.teacher.endpoint import EndpointConfig, EndpointTeacher
+    from hllm.teacher.generation import TeacherConfig
+
+    window = spec.window or 20
+    endpoint = EndpointConfig(url=spec.teacher_url, model=spec.teacher_model, api_key_env=spec.teacher_api_key_env,
+                              concurrency=spec.concurrency, qps=spec.qps).split_among(workers)
+    generation = TeacherConfig(window=window, stride=spec.stride or window // 2, windowing=spec.windowing, repair=True)
+    return EndpointTeacher(endpoint, PromptConfig(), generation, answers)
+
+
+def answers_folder(out: str | Path) -> Path:
+    """Where `hllm rerank --teacher-url` keeps the server's answers: beside the run file, so a rerun (even of a
+    finished run) asks nothing twice; delete it to ask again."""
+    return Path(out).with_name(Path(out).name + ".answers")
+
+
 MapShards = Callable[[RerankSpec, ShardedRun, list[list[RerankRequest]], Callable[[int], None]], None]
 """Ranks and writes the given shards elsewhere (e.g. a Ray actor pool); calls back with queries done."""
 
@@ -141,7 +179,7 @@ def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: st
         if map_shards is not None:
             map_shards(spec, run, todo, bar.update)
         elif todo:
-            ranker = ShardRanker(spec)
+            ranker = ShardRanker(spec, len(slates), answers_folder(out))
             for shard in todo:  # the bar moves per group of queries, not per shard
                 orders, stats = ranker(shard, bar.update)
                 run.writer.write(shard, orders, spec.tag, stats)

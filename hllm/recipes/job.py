@@ -22,6 +22,7 @@ from hllm.model.backbones import ModelConfig, resolve_device
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.teacher.endpoint import EndpointConfig
 from hllm.teacher.generation import TeacherConfig
 from hllm.train.loop import BootstrapConfig, LossConfig, TrainConfig
 
@@ -38,8 +39,27 @@ class TeacherStageConfig:
     # bootstrapping and generating, and with a student that starts from the teacher's weights
     rankings: str | None = None
     rankings_format: Literal["run", "rank_llm", "responses"] = "run"  # a TREC / BEIR run, rank_llm JSONL, raw answers
+    # or an OpenAI-compatible server as the teacher (`hllm.teacher.endpoint`): `endpoint.url` and `endpoint.model`;
+    # `generation` gives its windows and repair, nothing is loaded or bootstrapped
+    endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    # a split stops once more than this share of its slates failed (a served teacher's retries ran out, or its
+    # answer had no ranking), naming the reason; the slates within it get no permutation (the student skips them)
+    max_failed_share: float = 0.05
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_failed_share <= 1.0:
+            raise ConfigError(f"teacher.max_failed_share={self.max_failed_share}: a share in [0, 1]")
+        if self.endpoint.url is not None:
+            conflicts = [f"teacher.{name}" for name, unused in (
+                ("bootstrap", self.bootstrap), ("model", self.model != ModelConfig()), ("rankings", self.rankings is not None),
+                ("generation.constrained", self.generation.constrained)) if unused]
+            if conflicts:
+                raise ConfigError(
+                    f"teacher.endpoint.url={self.endpoint.url} asks a served teacher, so no local teacher is bootstrapped, "
+                    f"loaded or read from a file, and {', '.join(conflicts)} would be ignored (constrained decoding needs "
+                    "the model's logits): set teacher.bootstrap=false and leave teacher.model, teacher.rankings unset, "
+                    "teacher.generation.constrained=false")
+            return
         if self.rankings is None:
             return
         conflicts = [f"teacher.{name}" for name, unused in (
@@ -96,10 +116,13 @@ class JobConfig:
     def __post_init__(self) -> None:
         # the teacher's preset: its bootstrap and generation are what the sizes make cheap or hours long (a
         # student with its own backbone is an explicit choice in the same config, as in ablation cells)
-        if self.teacher.rankings is not None and self.student.init_from_teacher:
-            raise ConfigError(f"teacher.rankings={self.teacher.rankings}: the teacher is a file, it has no weights to "
-                              "start the student from; set student.init_from_teacher=false and student.model")
-        presets = {self.teacher.model.preset if self.teacher.rankings is None else self.student.model.preset}
+        remote = self.teacher.rankings is not None or self.teacher.endpoint.url is not None
+        if remote and self.student.init_from_teacher:
+            which = (f"teacher.rankings={self.teacher.rankings}: the teacher is a file" if self.teacher.rankings is not None
+                     else f"teacher.endpoint.url={self.teacher.endpoint.url}: the teacher is a server")
+            raise ConfigError(f"{which}, it has no weights to start the student from; set student.init_from_teacher=false "
+                              "and student.model")
+        presets = {self.student.model.preset if remote else self.teacher.model.preset}
         if presets != {self.sized_for}:
             raise ConfigError(
                 f"the job's models are {sorted(presets)} but its step counts, batch sizes and latency requests were "

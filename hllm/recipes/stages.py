@@ -38,6 +38,7 @@ from hllm.model.prompts import PromptBuilder, PromptConfig
 from hllm.model.ranker import CONFIG_FILE, RankerConfig, SinglePassRanker, write_model_card
 from hllm.records import ParseCounts, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
+from hllm.teacher.endpoint import EndpointTeacher, FailureBudget, endpoint_figures, endpoint_line
 from hllm.teacher.external import FileTeacher
 from hllm.teacher.generation import ARTeacher
 from hllm.train.loop import bootstrap_teacher, student_examples, train_student
@@ -114,11 +115,20 @@ def export_teacher(run_dir: str | Path, to: str | Path = EMBEDDED_TEACHER) -> di
     return provenance
 
 
-Teacher = ARTeacher | FileTeacher  # what ranks slates: a model that generates, or a file of what one wrote
+Teacher = ARTeacher | FileTeacher | EndpointTeacher  # what ranks slates: a model here, a file of what one wrote, a server
+
+
+def answers_dir(cfg: JobConfig) -> Path:
+    """Where a served teacher's answers are kept (`hllm.teacher.endpoint.AnswerCache`): one folder for the
+    job, so every split and every rerun shares what was paid for."""
+    return Path(cfg.output_dir) / "teacher-answers"
 
 
 def load_teacher(model_cfg: ModelConfig, cfg: JobConfig, device: torch.device | str) -> Teacher:
-    """The job's teacher: its rankings file (`teacher.rankings`), else the model, loaded on `device`."""
+    """The job's teacher: a server (`teacher.endpoint`), its rankings file (`teacher.rankings`), else the
+    model, loaded on `device`."""
+    if cfg.teacher.endpoint.url is not None:
+        return EndpointTeacher(cfg.teacher.endpoint, cfg.prompt, cfg.teacher.generation, answers_dir(cfg))
     if cfg.teacher.rankings is not None:
         return FileTeacher(cfg.teacher.rankings_format, cfg.teacher.rankings)
     if model_cfg.preset == "embedded":
@@ -140,7 +150,13 @@ def check_embedded_prompt(prompt: PromptConfig) -> None:
 
 def generation_key(cfg: JobConfig, teacher_model: ModelConfig) -> str:
     """Identifies a teacher's rankings: data, prompt, teacher weights and decoding settings; for rankings
-    from a file, the data and the file (its format and SHA-256)."""
+    from a file, the data and the file (its format and SHA-256); for a served teacher, the data, the prompt, the
+    served model's name and what shapes its answers (windows, repair, max tokens), not the URL nor how hard
+    the server is driven."""
+    if cfg.teacher.endpoint.url is not None:
+        e, g = cfg.teacher.endpoint, cfg.teacher.generation
+        return fingerprint(cfg.data, cfg.prompt, "teacher endpoint", e.model, e.max_tokens,
+                           {k: getattr(g, k) for k in ("window", "stride", "windowing", "repair", "max_new_tokens")})
     if cfg.teacher.rankings is not None:
         return fingerprint(cfg.data, "teacher rankings file", cfg.teacher.rankings_format, file_sha256(Path(cfg.teacher.rankings)))
     weights = stage_info(Path(cfg.output_dir) / "teacher") if cfg.teacher.bootstrap else weights_id(teacher_model)
@@ -166,7 +182,8 @@ def ranking_summary(items: Sequence[RankedSlate]) -> store.Summary:
     return {"counts": dataclasses.asdict(counts), "ranked": len(same), "same_as_input": sum(same), "tau_to_input_sum": sum(taus),
             "prompt_tokens": sum(i.ranking.prompt_tokens for i in items),
             "output_tokens": sum(i.ranking.output_tokens for i in items),
-            "latency_s": sum(i.ranking.latency_s for i in items), "nodes": nodes}
+            "latency_s": sum(i.ranking.latency_s for i in items), "nodes": nodes,
+            "failed": sum(bool(i.ranking.failure) for i in items)}
 
 
 def rank_and_write(teacher: Teacher, slates: list[RerankRequest], directory: Path, node: str = "") -> list[RankedSlate]:
@@ -178,15 +195,17 @@ def rank_and_write(teacher: Teacher, slates: list[RerankRequest], directory: Pat
     return items
 
 
-def rank_in_process(teacher: Teacher, shard_slates: int = 64) -> RankSlates:
-    """The local `RankSlates`: this process's teacher, a shard per `shard_slates` slates still to rank."""
+def rank_in_process(teacher: Teacher, shard_slates: int = 64, max_failed_share: float = 1.0) -> RankSlates:
+    """The local `RankSlates`: this process's teacher, a shard per `shard_slates` slates still to rank; stops
+    once more than `max_failed_share` of the split failed (`FailureBudget`)."""
     def rank(source: store.SplitSlates, directory: Path) -> None:
         done = set(store.finished_ids(directory))
         progress = Progress(f"teacher rankings {source.split}", source.count - len(done), log)
+        budget = FailureBudget(source.split, source.count, max_failed_share)
         for batch in source.batches(shard_slates):
             pending = [s for s in batch if s.slate_id not in done]
             if pending:
-                rank_and_write(teacher, pending, directory)
+                budget.add([i.ranking for i in rank_and_write(teacher, pending, directory)])
                 progress.update(len(pending))
     return rank
 
@@ -246,6 +265,11 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
     before = store.index(directory, ranking_summary)
     complete = lambda ix: ix.slates == source.count and ix.id_sum == source.id_sum  # noqa: E731
     t0, extra = time.perf_counter(), None
+    if before.summary.get("failed") and not stage_done(directory, key):  # a run that stopped: its failed slates again
+        retried = store.drop_shards(directory, lambda summary: summary.get("failed", 0) > 0)
+        log.info("teacher rankings %s: asking again for %d slates that failed in an earlier run (%d shards; their "
+                 "answered windows come from the answer cache)", split, retried, before.summary["failed"])
+        before = store.index(directory, ranking_summary)
     if not complete(before):
         log.info("teacher rankings %s: %d slates, %d already in the store, %d to go", split, source.count,
                  before.slates, source.count - before.slates)
@@ -259,15 +283,23 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
                "(slates written twice)" if after.slates > source.count else "(rows of other slates)"))
     fresh = {k: after.summary.get(k, 0) - before.summary.get(k, 0) for k in ("output_tokens", "prompt_tokens")}
     generated = after.slates - before.slates
+    if after.summary.get("failed"):  # within the budget while ranking; a store made under a looser one is refused here
+        budget = FailureBudget(split, source.count, cfg.teacher.max_failed_share)
+        budget.add_counts(after.summary.get("endpoint", {}).get("failures", {"unknown": after.summary["failed"]}), {})
     stats = {**totals(after.summary), "generated_now": generated, "resumed_from": before.slates, "seconds": elapsed,
              "slates_per_s": generated / elapsed if generated else 0.0,
              "output_tokens_per_s": fresh["output_tokens"] / elapsed if generated else 0.0,
              "prompt_tokens_per_s": fresh["prompt_tokens"] / elapsed if generated else 0.0, **(extra or {})}
+    if "endpoint" in after.summary:
+        stats["endpoint"] = endpoint_figures(after.summary["endpoint"], elapsed if generated else None, generated,
+                                             cfg.teacher.endpoint)
     rankings = Rankings(split, directory, key, stats, [s.slate_id for s in source.slates] if source.slates is not None else None)
     if generated or not stage_done(directory, key):
         log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s, same as input order %.3f, "
                  "Kendall tau to input order %.3f", split, source.count, generated, elapsed, rankings.counts,
                  stats["same_as_input"], stats["tau_to_input"])
+        if "endpoint" in stats:
+            log.info("teacher endpoint %s: %s", split, endpoint_line(stats["endpoint"]))
         if stats.get("coverage", {}).get("uncovered") or stats.get("coverage", {}).get("missing_ids"):
             log.warning("teacher rankings %s from %s: %s", split, cfg.teacher.rankings, stats["coverage"])
         mark_done(directory, key, **stats)
@@ -372,6 +404,8 @@ def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dic
     m, t = rcfg.model, cfg.teacher
     teacher = f"{t.model.preset}{' ' + t.model.path if t.model.path else ''}" + \
         (" bootstrapped on the train queries' qrels" if t.bootstrap else "")
+    if t.endpoint.url is not None:
+        teacher = f"{t.endpoint.model} behind an OpenAI-compatible endpoint"
     if t.rankings is not None:
         teacher = f"rankings read from {Path(t.rankings).name} ({t.rankings_format}, sha256 {file_sha256(Path(t.rankings))[:16]})"
     data = cfg.data
@@ -504,7 +538,9 @@ def evaluate_stage(cfg: JobConfig, teacher: Teacher, student_dir: Path, test: Ra
     if sums.slates != test.stats["slates"]:
         raise RuntimeError(f"evaluation: {sums.slates} slates evaluated of the {test.stats['slates']} test slates")
     timed = store.head(test.directory, cfg.eval.latency_requests)
-    generates = teacher.decoding != "file"  # a file's rankings: no AR teacher to time
+    # a file's rankings: no AR teacher to time; a served one's latency is in the rankings stage's figures (timed
+    # here, its answers would come from the answer cache)
+    generates = teacher.decoding not in ("file", "endpoint")
     return EvalReport.of(sums, latency_profile(reranker, teacher if generates else None, timed, cfg.eval), teacher.decoding)
 
 

@@ -40,8 +40,8 @@ def run(cfg: JobConfig) -> EvalReport:
     splits = load_splits(cfg.data)
     teacher_model = bootstrap_teacher_stage(cfg, splits["train"], splits["val"], device)
     teacher = load_teacher(teacher_model, cfg, device)
-    rankings = {name: teacher_rankings_stage(cfg, teacher_model, name, splits[name], rank_in_process(teacher))
-                for name in SPLITS}
+    rank = rank_in_process(teacher, max_failed_share=cfg.teacher.max_failed_share)
+    rankings = {name: teacher_rankings_stage(cfg, teacher_model, name, splits[name], rank) for name in SPLITS}
     student_dir = train_student_stage(cfg, teacher_model, rankings["train"], rankings["val"], fit_in_process(cfg, device))
     report = evaluate_stage(cfg, teacher, student_dir, rankings["test"], device)
     (out / "report.json").write_text(json.dumps(dataclasses.asdict(report), indent=2))
