@@ -1,0 +1,84 @@
+"""How sure the single pass is, read off what it already made: the (N, K) matrix, its decoded order, the input
+(first-stage) order and the domain guard's trust. No second forward pass; numpy over one matrix.
+
+Letters: N items, K positions (K <= N), k the top positions a signal looks at (k <= K). Every signal is
+"higher = surer", per slate (`SIGNALS`):
+
+- `margin`: the optimal top-k assignment's score minus the best one that differs from it by a single move — two of
+  its items trade places (one of them in the top k), or an item in the top k gives its place to an item the
+  assignment left out. 0 is a tie: the head could as well have put another passage there.
+- `sharpness`: the mean over the top-k positions of the column softmax's probability of the item placed there.
+- `agreement`: the share of the order's top k that the input order also has in its top k (a single pass that moved
+  far from its first stage, on a query like no training query, is the case to check).
+- `trust`: the domain guard's trust in the slate (1 for a model without a guard).
+
+`confidence(matrix, order, trust)` -> `Confidence` with each of them; a cascade (`hllm rerank --cascade`) escalates
+the slates whose chosen signal is lowest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+
+Signal = Literal["margin", "sharpness", "agreement", "trust"]
+SIGNALS: tuple[str, ...] = ("margin", "sharpness", "agreement", "trust")
+
+
+@dataclass(frozen=True)
+class Confidence:
+    margin: float
+    sharpness: float
+    agreement: float
+    trust: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def value(self, signal: str) -> float:
+        if signal not in SIGNALS:
+            raise ValueError(f"unknown confidence signal {signal!r}; known: {list(SIGNALS)}")
+        return float(getattr(self, signal))
+
+
+def assignment_margin(scores: np.ndarray, order: np.ndarray, k: int) -> float:
+    """`scores` (N, K), `order` (N,) best first whose first K are an assignment of the K positions -> the smallest
+    loss of score over single moves that change the top `k` (see the module docstring); 0 when nothing can move."""
+    n, kk = scores.shape
+    k = min(k, kk)
+    placed = order[:kk]  # (K,) the item at each position
+    own = scores[placed, np.arange(kk)]  # (K,) each placed item's score at its position
+    # swaps of positions r < k with any other position s: (k, K)
+    cross = scores[placed[:, None], np.arange(kk)[None, :]]  # (K, K) [r, s]: the item at r scored at position s
+    swap = own[:k, None] + own[None, :] - cross[:k, :] - cross[:, :k].T  # (k, K) [r, s]: loss of trading r and s
+    swap[np.arange(k), np.arange(k)] = np.inf  # a position with itself is no move
+    best = float(swap.min()) if swap.size else np.inf
+    left_out = np.setdiff1d(np.arange(n), placed, assume_unique=False)  # items with no position
+    if left_out.size:
+        replace = own[:k, None] - scores[left_out[None, :], np.arange(k)[:, None]]  # (k, M)
+        best = min(best, float(replace.min()))
+    return 0.0 if not np.isfinite(best) else max(best, 0.0)
+
+
+def sharpness(scores: np.ndarray, order: np.ndarray, k: int) -> float:
+    """Mean over the top-k positions of the column softmax probability of the item placed there."""
+    k = min(k, scores.shape[1])
+    z = scores[:, :k] - scores[:, :k].max(axis=0, keepdims=True)  # (N, k)
+    p = np.exp(z) / np.exp(z).sum(axis=0, keepdims=True)  # (N, k) each column a distribution over items
+    return float(p[order[:k], np.arange(k)].mean())
+
+
+def agreement(order: np.ndarray, k: int) -> float:
+    """The share of `order`'s top k that are in the input order's top k (items 0..k-1)."""
+    k = min(k, len(order))
+    return float(np.mean(np.asarray(order[:k]) < k))
+
+
+def confidence(scores: np.ndarray, order: np.ndarray, trust: float | None = None, k: int = 10) -> Confidence:
+    """Every signal of one slate: `scores` (N, K) its matrix, `order` (N,) the decoded order, `trust` the guard's."""
+    scores = np.asarray(scores, dtype=np.float64)
+    order = np.asarray(order)
+    return Confidence(margin=assignment_margin(scores, order, k), sharpness=sharpness(scores, order, k),
+                      agreement=agreement(order, k), trust=1.0 if trust is None else float(trust))
