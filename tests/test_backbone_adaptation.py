@@ -53,3 +53,16 @@ def test_the_packed_backbone_round_trips_within_int8():
     assert (back - t).abs().max() <= t.abs().amax(dim=1, keepdim=True).max() / 127
     v = torch.randn(32)
     assert torch.allclose(pack.dequantize(pack.quantize(v), torch.float32), v, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_the_deepspeed_step_saves_and_loads_its_checkpoint(tmp_path):
+    """Item 4's path (the library loop stepping a ZeRO-2 DeepSpeed engine, checkpoint saved and loaded), on the CPU
+    with gloo, in its own process (it starts a process group)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "deepspeed_step.py"), "--steps", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "deepspeed zero-2 lora steps on cpu" in done.stdout
+    assert "trainable tensors equal; one more step from it" in done.stdout

@@ -69,6 +69,7 @@ class Setup:
     steps: int = 150
     batch: int = 8
     sub: int = 20
+    positions: int = 20  # the head's K (at most `sub`: a sub-slate fills every position)
     lora_r: int = 64
     head_width: int = 128
     budget_s: float = 540.0
@@ -79,11 +80,12 @@ def ranker_config(s: Setup, student: str) -> RankerConfig:
     prompt = PromptConfig(template="rankgpt-query", max_doc_tokens=48)
     if student == "probe":  # the shipped student's head: the utility probe under the first-stage log-rank prior
         return RankerConfig(model=s.model, adapt=AdaptConfig(mode="frozen"), state_layer=s.layer, pooling="mean",
-                            prompt=prompt, head=HeadConfig(kind="utility", positions=20, prior="logrank"))
+                            prompt=prompt, head=HeadConfig(kind="utility", positions=s.positions, prior="logrank"))
     adapt = AdaptConfig(mode="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r) if student.startswith("lora") else \
         AdaptConfig(mode="frozen")
     return RankerConfig(model=s.model, adapt=adapt, state_layer=s.layer, pooling="last+mean", prompt=prompt,
-                        head=HeadConfig(kind="attention", positions=20, layers=2, width=s.head_width, num_heads=4, prior="rank"))
+                        head=HeadConfig(kind="attention", positions=s.positions, layers=2, width=s.head_width, num_heads=4,
+                                        prior="rank"))
 
 
 def sub_slates(slate: RerankRequest, perm: list[int], m: int, rng: random.Random) -> list[tuple[RerankRequest, list[int]]]:
@@ -237,11 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         s = Setup(ModelConfig(hidden_size=32, layers=2, heads=2, intermediate_size=64, context_length=4096),
-                  Path(args.data), None, top_n=8, folds=2, layer=1, steps=3, batch=2, sub=4, lora_r=4, head_width=32)
+                  Path(args.data), None, top_n=8, folds=2, layer=1, steps=3, batch=2, sub=4, positions=4, lora_r=4,
+                  head_width=32)
     else:
         pack = Path(args.pack) if args.pack else None
-        model = ModelConfig(preset="hf", path=str(pack / "backbone"), context_length=8192, dtype="bfloat16" if device == "cuda"
-                            else "float32") if pack else ModelConfig(preset="smollm2-135m", context_length=8192)
+        # fp32 weights, bf16 autocast on CUDA (the loop's rule): LoRA's adapters train in fp32
+        model = ModelConfig(preset="hf", path=str(pack / "backbone"), context_length=8192) if pack else \
+            ModelConfig(preset="smollm2-135m", context_length=8192)
         data = pack / "data" / "dl19" if pack else Path(args.data)
         cross = pack / "data" / "dl21" if pack else Path(args.cross_year)
         s = Setup(model, data, cross if cross.exists() else None, steps=args.steps, budget_s=args.budget_s)

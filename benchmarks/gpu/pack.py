@@ -96,7 +96,7 @@ def unpack(src: Path) -> Path:
     expected = json.loads((src / "pack.json").read_text())["parts"]
     if len(list(src.glob("part*/weights.safetensors"))) != expected:
         raise FileNotFoundError(f"{src}: {expected} parts were packed, fewer are here (carry every part first)")
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     state = {name: dequantize(parts, torch.bfloat16) for name, parts in grouped.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not m.startswith("lm_head")]:
