@@ -3,12 +3,13 @@
     from hllm import Reranker
     Reranker.load("runs/default/student").rank("red leather boots", ["acme red leather boots", "blue shirt"])
 
-The public API is `Reranker`, its result `RankedDocument`, and `PromptTooLong` (raised when the
-documents cannot fit the model's context). They are imported on first use, so `import hllm.config`
+The public API is `Reranker`, its result `RankedDocument` (with `Assessed`: a query's ranking with how sure the
+single pass was, `Reranker.rank_assessed`), and `PromptTooLong` (raised when the documents cannot fit the model's
+context). They are imported on first use, so `import hllm.config`
 stays light.
 """
 
-__all__ = ["PromptTooLong", "RankedDocument", "Reranker"]
+__all__ = ["Assessed", "PromptTooLong", "RankedDocument", "Reranker"]
 
 
 def __getattr__(name: str):

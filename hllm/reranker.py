@@ -21,6 +21,7 @@ itself never imports a tracking client.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch
 from hllm.data.traffic import model_key
 from hllm.model.backbones import resolve_device
 from hllm.model.calibration import Calibrator
+from hllm.model.confidence import Confidence, confidence
 from hllm.model.decoding import DECODERS, Decoded
 from hllm.model.heads import within_support
 from hllm.model.prompts import EncodedPrompt, PromptTooLong, collate
@@ -41,7 +43,7 @@ from hllm.model.ranker import SinglePassRanker, read_model_card
 from hllm.model.windows import WINDOWINGS, rank_in_windows
 from hllm.records import RerankRequest
 
-__all__ = ["PromptTooLong", "RankedDocument", "Reranker", "Windowed", "registry_alias", "resolve_model_uri", "vocabulary_warning"]
+__all__ = ["Assessed", "PromptTooLong", "RankedDocument", "Reranker", "Windowed", "registry_alias", "resolve_model_uri", "vocabulary_warning"]
 URI_GROUP = "hllm.model_uris"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
 
@@ -62,6 +64,16 @@ class RankedDocument:
     index: int  # position of the document in the input list
     score: float  # strictly decreasing along the ranking (the decoder's, or 1 - rank/N across windows): not a probability
     relevance: float | None = None  # calibrated P(relevant), non-increasing along the ranking (models saved with a calibration)
+
+
+@dataclass(frozen=True)
+class Assessed:
+    """One query's ranking with how sure the single pass was (`hllm.model.confidence`), read off the same prefill."""
+
+    documents: list[RankedDocument]  # best first
+    confidence: Confidence  # of the pass that decided the top (a long list: its last, top window)
+    trust: float | None  # the domain guard's trust (None: the model has no guard)
+    windows: int = 1  # prefills the query took
 
 
 # students shipped with the package, loaded by name (`Reranker.load("smollm2-trec-dl")`); each folder
@@ -267,24 +279,33 @@ class Reranker:
                    batch_size: int | None = None, decoder: str | None = None) -> list[list[RankedDocument]]:
         """Many queries, each with its own documents; `batch_size` prompts per forward pass. Lists
         longer than `self.window` go through windows (see the module docstring)."""
+        return [a.documents for a in self.rank_assessed(queries, documents, top_k, batch_size, decoder)]
+
+    def rank_assessed(self, queries: Sequence[str], documents: Sequence[Sequence[str]], top_k: int | None = None,
+                      batch_size: int | None = None, decoder: str | None = None) -> list[Assessed]:
+        """`rank_batch`, each query with its confidence signals and the guard's trust (no extra forward pass)."""
         if len(queries) != len(documents):
             raise ValueError(f"{len(queries)} queries but {len(documents)} document lists")
         size = batch_size or self.batch_size
         long = [i for i, d in enumerate(documents) if self.window is not None and len(d) > self.window]
         short = sorted(set(range(len(queries))) - set(long))
-        out: dict[int, list[RankedDocument]] = {}
+        out: dict[int, Assessed] = {}
         for start in range(0, len(short), size):
             chunk = short[start: start + size]
-            for i, matrix in zip(chunk, self.score_encoded([self.encode(queries[i], documents[i]) for i in chunk])):
+            scored = self.score_with_trust([self.encode(queries[i], documents[i]) for i in chunk])
+            for i, (matrix, trust) in zip(chunk, scored):
                 decoded = self.decode(matrix, decoder)
                 rel = self.relevance(matrix, decoded.permutation)
-                out[i] = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
-                          for j in decoded.permutation]
+                docs = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
+                        for j in decoded.permutation]
+                out[i] = Assessed(docs, confidence(matrix, decoded.permutation, trust), trust)
         if long:
             ranked = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder)
             for q, i in enumerate(long):
-                out[i] = [RankedDocument(j, s) for j, s in zip(ranked.orders[q], ranked.scores(q))]
-        return [out[i][:top_k] if top_k is not None else out[i] for i in range(len(queries))]
+                out[i] = Assessed([RankedDocument(j, s) for j, s in zip(ranked.orders[q], ranked.scores(q))],
+                                  ranked.confidence[q], ranked.trust[q], ranked.windows[q])
+        return [dataclasses.replace(out[i], documents=out[i].documents[:top_k]) if top_k is not None else out[i]
+                for i in range(len(queries))]
 
     def windowed_orders(self, queries: Sequence[str], documents: Sequence[Sequence[str]], batch_size: int | None = None,
                         decoder: str | None = None, max_doc_tokens: int | None = None) -> "Windowed":
@@ -293,6 +314,7 @@ class Reranker:
             raise ValueError("windowed ranking needs a window (Reranker(window=...))")
         size = batch_size or self.batch_size
         tokens, truncated, shown, unknown = ([0] * len(queries) for _ in range(4))
+        assessed: list[tuple[Confidence, float | None] | None] = [None] * len(queries)  # each query's latest (top) window
 
         def rank_windows(flat: list[tuple[int, list[int]]]) -> list[list[int]]:
             prompts = [self.encode(queries[i], [documents[i][j] for j in idx], max_doc_tokens) for i, idx in flat]
@@ -301,14 +323,20 @@ class Reranker:
                 truncated[i] += prompt.doc_tokens_truncated
                 shown[i] += prompt.content_tokens
                 unknown[i] += prompt.unknown_tokens
-            matrices = []
+            scored = []
             for start in range(0, len(prompts), size):
-                matrices += self.score_encoded(prompts[start: start + size])
-            return [self.decode(m, decoder).permutation.tolist() for m in matrices]
+                scored += self.score_with_trust(prompts[start: start + size])
+            perms = []
+            for (i, _), (matrix, trust) in zip(flat, scored):
+                perm = self.decode(matrix, decoder).permutation
+                assessed[i] = (confidence(matrix, perm, trust), trust)  # rounds go bottom-up: the last one decides the top
+                perms.append(perm.tolist())
+            return perms
 
         stride = self.stride or self.window // 2
         orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
-        return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)], unknown, shown)
+        return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)], unknown, shown,
+                        [a[0] for a in assessed], [a[1] for a in assessed])
 
 
 @dataclass(frozen=True)
@@ -320,6 +348,8 @@ class Windowed:
     unknown_token_share: list[float]  # per query: share of its shown tokens outside the vocabulary
     unknown_tokens: list[int]  # per query: its shown tokens outside the vocabulary, over all its windows
     shown_tokens: list[int]  # per query: the query's and documents' tokens shown, over all its windows
+    confidence: list[Confidence]  # per query: the confidence signals of its last (top) window
+    trust: list[float | None]  # per query: the guard's trust in that window (None: no guard)
 
     def scores(self, query: int) -> list[float]:
         """The rank-derived scores along query `query`'s order: 1 - rank / N (no matrix spans all windows)."""

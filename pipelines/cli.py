@@ -71,6 +71,14 @@ def cmd_rerank(args: argparse.Namespace) -> int:
 
     if (args.teacher_url is None) != (args.teacher_model is None):
         raise ValueError("--teacher-url and --teacher-model go together (the server's URL and its model's name)")
+    rule = None
+    if args.cascade is not None:
+        from hllm.recipes.collection import CascadeRule
+
+        if args.model is None or args.teacher_rankings is None:
+            raise ValueError("--cascade needs the student that answers first (--model) and the teacher's rankings "
+                             "(--teacher-rankings FILE)")
+        rule = CascadeRule.parse(args.cascade, args.cascade_signal)
     spec = RerankSpec(model=args.model, teacher=args.teacher, teacher_url=args.teacher_url, teacher_model=args.teacher_model,
                       teacher_api_key_env=args.teacher_api_key_env, concurrency=args.concurrency, qps=args.qps,
                       max_failed_share=args.max_failed_share, window=args.window, stride=args.stride,
@@ -78,6 +86,9 @@ def cmd_rerank(args: argparse.Namespace) -> int:
                       device=args.device, threads=args.threads, tag=args.tag)
     slates, qrels, settings = _load_slates(args)
     out = Path(args.out)
+    final = out
+    if rule is not None:  # the student's own run beside the cascade's
+        out = out.with_name(out.name + ".student")
     map_shards = None
     if args.ray:
         from pipelines.rerank import ray_map_shards
@@ -92,6 +103,22 @@ def cmd_rerank(args: argparse.Namespace) -> int:
         from hllm.teacher.endpoint import endpoint_figures, endpoint_line
 
         print(f"teacher endpoint: {endpoint_line(endpoint_figures(stats['endpoint']))}")
+    notes = path.with_name(path.name + ".queries.jsonl")
+    if args.model is not None and notes.exists():
+        print(f"per query (confidence, trust): {final.with_name(final.name + '.queries.jsonl')}"
+              + (f"; the domain guard sent {stats['fell_back']} of {stats['queries']} queries toward the first-stage order"
+                 if stats.get("fell_back") else ""))
+    if rule is not None:
+        from hllm.recipes.collection import cascade
+        from hllm.teacher.external import FileTeacher
+
+        counts = cascade(path, notes, slates, FileTeacher(args.teacher_format, args.teacher_rankings), rule, final,
+                         args.tag + "-cascade")
+        notes.replace(final.with_name(final.name + ".queries.jsonl"))
+        print(f"cascade: {counts['escalated']} of {counts['queries']} queries ({counts['escalated'] / max(counts['queries'], 1):.0%})"
+              f" went to the teacher, the least confident by {rule.signal}"
+              + (f"; {counts['teacher_missing']} of them had no teacher ranking (the student's stands)" if counts["teacher_missing"] else "")
+              + f"; wrote {final}")
     _warn_vocabulary(spec, stats, args.unknown_token_warning)
     if qrels is None:
         return 0
@@ -100,6 +127,8 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     rel, why = _threshold(args.rel, judged)
     rows = {"first stage (input order)": evaluate(first_stage, judged, rel, None, "the input", str(qrels)),
             ("teacher" if args.teacher or args.teacher_url else "reranked"): evaluate_run(path, qrels, rel)}
+    if rule is not None:
+        rows[f"cascade ({args.cascade} by {rule.signal})"] = evaluate_run(final, qrels, rel)
     _report(rows, args.json, why)
     return 0
 
@@ -247,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--teacher-api-key-env", metavar="VAR", help="--teacher-url: the environment variable holding its API key")
     r.add_argument("--concurrency", type=int, default=8, help="--teacher-url: requests in flight (all actors together)")
     r.add_argument("--qps", type=float, help="--teacher-url: request starts a second, retries included (default: no cap)")
+    r.add_argument("--cascade", metavar="SHARE%|THRESHOLD", help="--model: hand the least confident queries to the "
+                   "teacher: 25%% (that share, least confident first) or 0.8 (every query whose signal is below it)")
+    r.add_argument("--cascade-signal", default="margin", choices=("margin", "sharpness", "agreement", "trust"),
+                   help="--cascade: which confidence signal orders the queries (hllm.model.confidence)")
+    r.add_argument("--teacher-rankings", metavar="FILE", help="--cascade: the teacher's rankings (a file FileTeacher reads)")
+    r.add_argument("--teacher-format", default="run", choices=("run", "rank_llm", "responses"),
+                   help="--teacher-rankings: its format")
     r.add_argument("--max-failed-share", type=float, default=0.05, metavar="SHARE",
                    help="--teacher-url: stop once more queries failed (retries ran out, or no ranking in the answer)")
     r.add_argument("--data", required=True, help="a BEIR folder (corpus.jsonl, queries.jsonl, qrels/, runs/), a rank_llm "

@@ -31,8 +31,8 @@ class RerankActor:
 
     def __call__(self, batch: pa.Table) -> dict[str, list]:
         shard = store.slates_from_rows(batch.to_pylist())
-        orders, stats = self.ranker(shard)
-        self.writer.write(shard, orders, self.tag, stats)
+        orders, stats, notes = self.ranker(shard)
+        self.writer.write(shard, orders, self.tag, stats, notes)
         return {"queries": [len(shard)]}
 
 

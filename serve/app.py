@@ -31,6 +31,7 @@ from ray import serve
 from ray.serve import Application
 
 from hllm.data.traffic import TrafficLogConfig
+from hllm.model.confidence import Confidence, confidence
 from hllm.model.prompts import EncodedPrompt
 from hllm.reranker import UNKNOWN_TOKEN_WARNING, registry_alias, vocabulary_warning
 from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult, ResultDocument,
@@ -195,6 +196,11 @@ def _document_limits(app: FastAPI) -> None:
     documents = app.openapi()["components"]["schemas"]["RerankBody"]["properties"]["documents"]
     if limit and documents.get("maxItems") != limit:
         documents["maxItems"] = limit
+
+
+def rounded(c: Confidence) -> dict[str, float]:
+    """meta.confidence: the signals to 4 places."""
+    return {k: round(v, 4) for k, v in c.as_dict().items()}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -402,8 +408,8 @@ class RerankDeployment:
                         query_truncated=prompt.query_truncated),
             results=results,
             meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms=timings, calibrated=relevance is not None,
-                      model_version=served.model_id, **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1),
-                                                                        reranker, trust)),
+                      model_version=served.model_id, confidence=rounded(confidence(matrix, decoded.permutation, trust)),
+                      **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1), reranker, trust)),
         )
 
     def _vocabulary(self, share: float, reranker, trust: float | None = None) -> dict:
@@ -433,7 +439,8 @@ class RerankDeployment:
             id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens,
                                                                        truncated_documents=ranked.truncated_documents[0]),
             results=results, meta=Meta(decoder=decoder, batch_size=1, windows=ranked.windows[0], model_version=served.model_id,
-                                       **self._vocabulary(ranked.unknown_token_share[0], served.reranker),
+                                       confidence=rounded(ranked.confidence[0]),
+                                       **self._vocabulary(ranked.unknown_token_share[0], served.reranker, ranked.trust[0]),
                                        timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
 
     @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ERRORS)

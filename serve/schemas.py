@@ -85,6 +85,10 @@ class Meta(BaseModel):
     # the model's domain-guard trust in this request (hllm.model.heads.DomainGuard): 1 its own ranking, below 1 it
     # leans toward the first-stage (input) order, 0 the input order; absent for a model without a guard
     trust: float | None = None
+    # how sure the single pass was, read off the same matrix (hllm.model.confidence, each higher = surer): the
+    # assignment's margin over its best one-move alternative in the top 10, the top positions' sharpness, the
+    # share of the top 10 the first stage also has there, the guard's trust (1 without a guard)
+    confidence: dict[str, float] | None = None
 
 
 class RerankResponse(BaseModel):

@@ -74,7 +74,8 @@ def test_rerank_writes_a_run_that_evaluate_reads_back(student, tmp_path, capsys)
     for q, docids in run.items():
         i = int(q[1:])
         assert sorted(docids) == sorted(f"d{i * 10 + d}" for d in range(10))  # every candidate once
-    assert not (tmp_path / "out" / "run.trec.shards").exists() and sorted(p.name for p in out.parent.iterdir()) == ["run.trec"]
+    assert not (tmp_path / "out" / "run.trec.shards").exists() and sorted(p.name for p in out.parent.iterdir()) == \
+        ["run.trec", "run.trec.queries.jsonl"]  # the run and its per-query sidecar (confidence, trust)
     reported = json.loads(metrics.read_text())
     assert set(reported) == {"first stage (input order)", "reranked"}
     again = tmp_path / "again.json"
@@ -140,8 +141,8 @@ def test_a_thousand_candidates_come_back_as_one_permutation(student):
     for windowing, expected in (("sliding", 199), ("blocks", 100 + 10 + 1)):
         reranker = Reranker.load(student, window=10, stride=5, windowing=windowing)
         prefills = []
-        real = reranker.score_encoded
-        reranker.score_encoded = lambda prompts: prefills.append(len(prompts)) or real(prompts)
+        real = reranker.score_with_trust
+        reranker.score_with_trust = lambda prompts: prefills.append(len(prompts)) or real(prompts)
         (ranked,) = reranker.rank_batch(["red boots"], [docs])
         assert sorted(r.index for r in ranked) == list(range(1000))
         scores = [r.score for r in ranked]
@@ -347,8 +348,11 @@ def test_progress_moves_per_group_of_queries_not_per_shard(student, tmp_path):
 
     slates = read_beir(_beir(tmp_path / "beir", queries=5), top_n=10)
     told: list[int] = []
-    orders, stats = ShardRanker(RerankSpec(model=str(student), window=4, batch_size=2, max_batch_tokens=512))(slates, told.append)
+    orders, stats, notes = ShardRanker(RerankSpec(model=str(student), window=4, batch_size=2, max_batch_tokens=512))(
+        slates, told.append)
     assert told == [2, 2, 1] and stats["queries"] == 5 and stats["windows"] == 5 * ((10 - 4) // 2 + 1)
+    assert [n["qid"] for n in notes] == [s.slate_id for s in slates] and all(n["windows"] == 4 for n in notes)
+    assert set(notes[0]["confidence"]) == {"margin", "sharpness", "agreement", "trust"}
     assert [sorted(o) for o in orders] == [list(range(10))] * 5
 
 

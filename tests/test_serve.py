@@ -282,10 +282,14 @@ def test_a_request_the_domain_guard_distrusts_keeps_the_input_order_and_says_so(
         out = requests.post(URL + "/guarded/v1/rerank", json={"query": "red boots", "documents": DOCS}, timeout=60).json()
         assert [r["index"] for r in out["results"]] == list(range(len(DOCS)))
         assert out["meta"]["trust"] == 0.0 and any("domain guard trust 0.00" in w for w in out["meta"]["warnings"])
+        assert out["meta"]["confidence"]["trust"] == 0.0 and out["meta"]["confidence"]["agreement"] == 1.0  # the input order
     finally:
         serve.delete("guarded")
     plain = requests.post(URL + "/v1/rerank", json={"query": "red boots", "documents": DOCS}, timeout=60).json()
     assert "trust" not in plain["meta"]  # a model without a guard says nothing of it
+    # the single pass's confidence, read off the same matrix (hllm.model.confidence): no guard, trust 1
+    assert set(plain["meta"]["confidence"]) == {"margin", "sharpness", "agreement", "trust"}
+    assert plain["meta"]["confidence"]["trust"] == 1.0 and plain["meta"]["confidence"]["margin"] >= 0
 
 
 def test_registry_round_trip_register_promote_serve(app, student_dir, tmp_path):

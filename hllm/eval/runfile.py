@@ -65,12 +65,15 @@ class ShardWriter:
         return self.directory / shard_name([s.slate_id for s in shard], ".trec")
 
     def write(self, shard: Sequence[RerankRequest], orders: Sequence[Sequence[int]], tag: str,
-              stats: dict[str, Any] | None = None) -> None:
-        """One shard's run lines, and its counts beside them (the lines land last: they mark it done)."""
+              stats: dict[str, Any] | None = None, notes: Sequence[dict[str, Any]] | None = None) -> None:
+        """One shard's run lines, its counts and its per-query notes (confidence, trust, ...) beside them (the
+        lines land last: they mark it done)."""
         path = self.path(shard)
         if not self.manifest.exists():  # written with the first shard: a run that fails to start leaves nothing
             atomic_write(self.manifest, json.dumps(self.settings, indent=2, sort_keys=True))
         atomic_write(path.with_suffix(".json"), json.dumps(stats or {}))
+        if notes is not None:
+            atomic_write(path.with_suffix(".queries.jsonl"), "".join(json.dumps(n) + "\n" for n in notes))
         atomic_write(path, "\n".join(run_lines(shard, orders, tag)) + "\n")
 
 
@@ -115,11 +118,19 @@ class ShardedRun:
                 totals = merge(totals, json.loads(path.with_suffix(".json").read_text()))
         return totals
 
+    @property
+    def notes_path(self) -> Path:
+        """The per-query sidecar (`OUT.queries.jsonl`): one JSON object a query, where the ranker wrote notes."""
+        return self.out.with_name(self.out.name + ".queries.jsonl")
+
     def finish(self) -> Path:
-        """All shards -> the run file (atomically); the shard folder is removed."""
+        """All shards -> the run file (atomically), their notes -> `notes_path`; the shard folder is removed."""
         missing = self.todo()
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(self.shards)} shards are not written yet")
+        notes = [self.writer.path(s).with_suffix(".queries.jsonl") for s in self.shards]
+        if all(n.exists() for n in notes):
+            atomic_write(self.notes_path, "".join(n.read_text(encoding="utf-8") for n in notes))
         atomic_write(self.out, "".join(self.writer.path(s).read_text(encoding="utf-8") for s in self.shards))
         shutil.rmtree(self.directory, ignore_errors=True)
         return self.out
