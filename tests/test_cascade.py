@@ -109,3 +109,24 @@ def test_hllm_rerank_cascade_hands_the_least_confident_queries_to_the_teacher(st
     # bad input: one line on stderr, exit status 2, nothing written
     assert main(["rerank", "--model", str(student), "--data", str(data), "--out", str(tmp_path / "x.trec"), "--cascade", "25%"]) == 2
     assert "--teacher-rankings FILE" in capsys.readouterr().err and not (tmp_path / "x.trec").exists()
+
+
+def test_the_cascade_benchmarks_curves_bracket_random_and_oracle():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import cascade as bench
+
+    rng = np.random.default_rng(0)
+    student = rng.uniform(0.3, 0.6, 40)
+    teacher = student + rng.normal(0.1, 0.1, 40)
+    sure = -(teacher - student) + rng.normal(0, 0.02, 40)  # a signal that knows where the teacher gains
+    table = bench.curves(student, teacher, {"sure": sure}, draws=200)
+    for policy in table:
+        assert table[policy][0.0]["nDCG@10"] == pytest.approx(student.mean())
+        assert table[policy][1.0]["nDCG@10"] == pytest.approx(teacher.mean()) and table[policy][1.0]["recovered"] == pytest.approx(1)
+    assert table["oracle"][0.25]["nDCG@10"] >= table["sure"][0.25]["nDCG@10"] > table["random"][0.25]["nDCG@10"]
+    assert table["random"][0.25]["recovered"] == pytest.approx(0.25, abs=0.1)
+    assert bench.auc(np.array([3.0, 2.0, 1.0, 0.0]), np.array([True, True, False, False])) == 1.0
+    assert bench.auc(np.array([1.0, 1.0]), np.array([True, False])) == 0.5

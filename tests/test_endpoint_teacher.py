@@ -71,6 +71,17 @@ def test_the_key_comes_from_the_environment_only(monkeypatch):
     assert "api_key" not in {f.name for f in dataclasses.fields(EndpointConfig)}  # no field could hold it
 
 
+def test_extra_headers_read_their_secrets_from_the_environment(monkeypatch):
+    cfg = EndpointConfig(url="http://127.0.0.1:9/v1", model="m", headers={"X-Org": "acme", "X-Token": "${HLLM_TEST_TOKEN}"})
+    monkeypatch.setenv("HLLM_TEST_TOKEN", "tok-123")
+    t = EndpointTeacher(cfg, PromptConfig(), TeacherConfig())
+    assert t._headers() == {"X-Org": "acme", "X-Token": "tok-123"}
+    assert t._mask("echoed tok-123 back") == "echoed *** back"  # a secret header is masked like the key
+    monkeypatch.delenv("HLLM_TEST_TOKEN")
+    with pytest.raises(ValueError, match="HLLM_TEST_TOKEN is not set"):
+        t._headers()
+
+
 def test_failure_budget_stops_once_the_split_cannot_end_within_it():
     budget = FailureBudget("train", slates=40, max_share=0.05)  # 2 failures allowed
     failed = lambda sid, why: TeacherRanking(sid, None, f"{why}: boom", ParseCounts(total=1), failure=why)  # noqa: E731
@@ -316,3 +327,22 @@ def test_hllm_rerank_with_a_served_teacher_writes_a_run_and_resumes(teacher_serv
     assert main(argv) == 0  # a rerun of a finished run: every answer from OUT.answers/
     assert len(fault_proxy.posts()) == posts and "0 requests" in capsys.readouterr().out
     assert sorted(out.read_text().splitlines()) == sorted(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_hllm_rerank_fans_a_beir_collection_out_over_ray_actors_to_the_served_teacher(ray_local, teacher_server, fault_proxy,
+                                                                                     shared_data, tmp_path, capsys):
+    from pipelines.cli import main
+    from teacher_server import MODEL
+
+    data = _dl19_subset(shared_data, tmp_path / "dl19", queries=4)
+    out = tmp_path / "ray.trec"
+    assert main(["rerank", "--teacher-url", fault_proxy.url, "--teacher-model", MODEL, "--teacher-api-key-env",
+                 "HLLM_TEST_TEACHER_KEY", "--data", str(data), "--top-n", "6", "--window", "4", "--stride", "2",
+                 "--out", str(out), "--shard-size", "2", "--ray", "--actors", "2", "--cpus-per-actor", "0.5",
+                 "--concurrency", "4", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "4 queries" in printed and "teacher endpoint: 8 requests" in printed and "| teacher |" in printed
+    assert len(out.read_text().splitlines()) == 4 * 6 and len(fault_proxy.posts()) == 8
+    assert (tmp_path / "ray.trec.answers").is_dir()  # both actors kept what they were told

@@ -283,6 +283,7 @@ class EndpointTeacher:
         self.cfg, self.prompt, self.generation = cfg, prompt, generation
         self.cache = AnswerCache(cache_dir if cfg.cache else None)
         self._key = self._read_key()
+        self._headers()  # an unset "${VAR}" header fails here, not at the first request
 
     def _read_key(self) -> str:
         if self.cfg.api_key_env is None:
