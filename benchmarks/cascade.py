@@ -189,7 +189,8 @@ def write(reports: Path, results: dict, lines: list[str], rows: list[list]) -> N
     md = ["`python benchmarks/cascade.py`, one run (closed-form fits: no seeds). DL19, 43 queries, each tested once out "
           "of fold (5 teacher-folds by query hash); BM25 top 100; nDCG@10 means over the 43 queries, 95% bootstrap "
           "intervals over queries; escalation ranks the 43 out-of-fold queries by the signal alone.", "", *lines, "",
-          "![cascade curves](cascade.png)", ""]
+          "![cascade curves](cascade.png)", "", "What the figures say and what limits them: docs/real-text.md, \"The cascade on "
+          "real text\".", ""]
     for k, r in results.items():
         md += [f"### {k}", "", f"BM25 {r['first']:.4f}, student {r['student']:.4f}, teacher {r['teacher']:.4f}.", "",
                "| escalation | " + " | ".join(f"{int(100 * s)}%" for s in SHARES) + " |",
@@ -198,7 +199,7 @@ def write(reports: Path, results: dict, lines: list[str], rows: list[list]) -> N
             md.append(f"| {policy} | " + " | ".join(
                 f"{table[s]['nDCG@10']:.4f} [{table[s]['ci'][0]:.3f}, {table[s]['ci'][1]:.3f}] ({table[s]['recovered']:.2f})"
                 for s in SHARES) + " |")
-        md += ["", "(nDCG@10 [95% CI] (gap recovered))", "", "| signal | Spearman with the teacher - student gap | AUC for teacher gains >= 0.05 |",
+        md += ["", "(nDCG@10 [95% CI] (gap recovered); the random row's interval is the spread over its draws)", "", "| signal | Spearman with the teacher - student gap | AUC for teacher gains >= 0.05 |",
                "| --- | ---: | ---: |"]
         md += [f"| {s} | {v['spearman_vs_gap']:.3f} | {v['auc_teacher_gains']:.3f} |" for s, v in r["signals"].items()]
         md.append("")
