@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from hllm.data.readers import read_slates  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
-from hllm.model.confidence import SIGNALS, confidence  # noqa: E402
+from hllm.model.confidence import confidence  # noqa: E402
 from hllm.model.heads import HeadConfig  # noqa: E402
 from hllm.model.prompts import PromptConfig  # noqa: E402
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noqa: E402

@@ -257,6 +257,8 @@ def batch_tokens(text: str) -> int | str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hllm.model.confidence import SIGNALS  # numpy only: the parser stays quick to build
+
     parser = argparse.ArgumentParser(prog="hllm", description="hLLM: single-pass generative reranking.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Examples:\n" + __doc__.split("\n\n")[1])
@@ -278,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--qps", type=float, help="--teacher-url: request starts a second, retries included (default: no cap)")
     r.add_argument("--cascade", metavar="SHARE%|THRESHOLD", help="--model: hand the least confident queries to the "
                    "teacher: 25%% (that share, least confident first) or 0.8 (every query whose signal is below it)")
-    r.add_argument("--cascade-signal", default="margin", choices=("margin", "sharpness", "agreement", "trust"),
+    r.add_argument("--cascade-signal", default="margin", choices=SIGNALS,
                    help="--cascade: which confidence signal orders the queries (hllm.model.confidence)")
     r.add_argument("--teacher-rankings", metavar="FILE", help="--cascade: the teacher's rankings (a file FileTeacher reads)")
     r.add_argument("--teacher-format", default="run", choices=("run", "rank_llm", "responses"),

@@ -187,14 +187,13 @@ def run(s: Setup, out: Path, device: str) -> dict:
         report["students"][student] = figures(tested, o, [tperm[sl.slate_id] for sl in tested], f_arr, t_arr, rel)
         report["seconds_per_fold"][student] = float(np.mean(timing[student])) if timing[student] else None
     if s.cross_year is not None and time.perf_counter() - t_start < s.budget_s:
-        other, other_perms = read_slates("beir", s.cross_year, top_n=s.top_n), None
+        other = read_slates("beir", s.cross_year, top_n=s.top_n)
         of = per_query(other, first_stage_order(other), rel)["nDCG@10"]
         report["cross_year"] = {"queries": len(other), "first_stage": float(np.mean(list(of.values())))}
         for student in ("probe", "lora"):
             ranker, _ = train_ranker(s, student, slates, perms, device, 0)
             got = per_query(other, rank(ranker, student, other), rel)["nDCG@10"]
             report["cross_year"][student] = float(np.mean([got[sl.slate_id] for sl in other]))
-        del other_perms
     report["seconds"] = time.perf_counter() - t_start
     out.mkdir(parents=True, exist_ok=True)
     (out / "backbone_adaptation.json").write_text(json.dumps(report, indent=2))

@@ -267,8 +267,8 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
     t0, extra = time.perf_counter(), None
     if before.summary.get("failed") and not stage_done(directory, key):  # a run that stopped: its failed slates again
         retried = store.drop_shards(directory, lambda summary: summary.get("failed", 0) > 0)
-        log.info("teacher rankings %s: asking again for %d slates that failed in an earlier run (%d shards; their "
-                 "answered windows come from the answer cache)", split, retried, before.summary["failed"])
+        log.info("teacher rankings %s: %d slates failed in an earlier run; their shards (%d slates) are ranked again, "
+                 "what was answered coming from the answer cache", split, before.summary["failed"], retried)
         before = store.index(directory, ranking_summary)
     if not complete(before):
         log.info("teacher rankings %s: %d slates, %d already in the store, %d to go", split, source.count,
