@@ -9,7 +9,8 @@ the first-stage prior (scale 1/32) — `distilled` on the teacher's whole order 
 `judged` on the qrels. Each query is tested once, out of fold. Its confidence signals (`hllm.model.confidence`) are
 read off the same matrix; the teacher is the teacher's own run on the same candidates (files: nothing generates).
 
-For each signal, escalating the least confident share s of the 43 out-of-fold queries (0, 10, 25, 50, 100%; ranked by
+For each signal — and a predictor of the teacher's gain fitted per fold on its training queries alone
+(`predicted_gains`) — escalating the least confident share s of the 43 out-of-fold queries (0, 10, 25, 50, 100%; ranked by
 the signal alone, no label read — what `hllm rerank --cascade s%` does to a batch) against random escalation (mean
 over 2,000 draws) and the oracle (escalate where the teacher gains most): nDCG@10 with a 95% bootstrap interval over
 queries, the share of the student -> teacher gap recovered, each signal's Spearman correlation with the per-query
@@ -66,6 +67,34 @@ def out_of_fold(model, slates, states, targets, folds) -> tuple[list[np.ndarray]
         for i, m in zip(test, score_state_slates(model, [StateSlate(slates[i], states[i]) for i in test])):
             matrices[i] = m
     return matrices, decode_orders(matrices)
+
+
+def features(slate, matrix: np.ndarray, order: list[int]) -> np.ndarray:
+    """What the predictor reads of one query, all known before any teacher is asked: the signals, the first stage's
+    score drop from its 1st to its 10th candidate, the query's length in words."""
+    c = confidence(matrix, np.array(order), None, 10)
+    bm25 = [cand.score or 0.0 for cand in slate.candidates]
+    return np.array([c.margin, c.sharpness, c.agreement, bm25[0] - bm25[min(9, len(bm25) - 1)], len(slate.query.text.split())])
+
+
+def predicted_gains(model, slates, states, targets, teacher: np.ndarray, ndcg_of, folds, lam: float = 1.0) -> np.ndarray:
+    """Per query, out of fold: the teacher's gain over the student as a ridge regression on `features` predicts it,
+    fitted on the fold's training queries alone — their own out-of-fold students (an inner 5-fold CV by another
+    hash) against the teacher on their qrels. The test queries' qrels are never read."""
+    out = np.zeros(len(slates))
+    outer, _ = out_of_fold(model, slates, states, targets, folds)  # the test queries' matrices, as the cascade ranks them
+    for train, test in folds:
+        sub = [slates[i] for i in train]
+        inner = query_folds(len(sub), [s.slate_id for s in sub], 5, "cascade-inner/")
+        mats, orders = out_of_fold(model, sub, [states[i] for i in train], [targets[i] for i in train], inner)
+        x = np.stack([features(sl, m, o) for sl, m, o in zip(sub, mats, orders)])  # (Q, F)
+        y = teacher[train] - ndcg_of(sub, orders)  # (Q,) the teacher's gain on each training query
+        mu, sd = x.mean(0), x.std(0) + 1e-9
+        xn = (x - mu) / sd
+        w = np.linalg.solve(xn.T @ xn + lam * np.eye(xn.shape[1]), xn.T @ (y - y.mean()))
+        xt = np.stack([features(slates[i], outer[i], decode_orders([outer[i]])[0]) for i in test])
+        out[test] = ((xt - mu) / sd) @ w + y.mean()
+    return out
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -131,9 +160,12 @@ def main() -> None:
     states = cached_states(model, slates, args.states, shard_slates=4, progress=lambda d, t, s: print(
         f"states: {d}/{t} shards ({s:.0f}s)", flush=True))
     folds = query_folds(len(slates), [s.slate_id for s in slates], 5, FOLD_SALT)
-    def ndcg(orders) -> np.ndarray:  # per query, in the slates' order
-        got = per_query(slates, orders, 2)["nDCG@10"]
-        return np.array([got[s.slate_id] for s in slates])
+    def ndcg_of(some, orders) -> np.ndarray:  # per query of `some`, in their order
+        got = per_query(some, orders, 2)["nDCG@10"]
+        return np.array([got[s.slate_id] for s in some])
+
+    def ndcg(orders) -> np.ndarray:
+        return ndcg_of(slates, orders)
 
     first = ndcg(first_stage_order(slates))
     results, lines, rows = {}, [], []
@@ -149,20 +181,23 @@ def main() -> None:
             student = ndcg(orders)
             conf = {sig: np.array([confidence(m, np.array(o), None, 10).value(sig) for m, o in zip(matrices, orders)])
                     for sig in SIGNALS_USED}
+            # the predictor: escalate where the predicted gain is largest (as a "confidence", its negative)
+            conf["predictor"] = -predicted_gains(model, slates, states, targets, teacher, ndcg_of, folds)
             gap = teacher - student
             table = curves(student, teacher, conf)
             key = f"{student_name} / {tname}"
             results[key] = {"first": float(first.mean()), "student": float(student.mean()), "teacher": float(teacher.mean()),
                             "curves": table, "signals": {s: {"spearman_vs_gap": spearman(conf[s], gap),
                                                               "auc_teacher_gains": auc(-conf[s], gap >= 0.05)} for s in conf}}
-            best = max(SIGNALS_USED, key=lambda s: table[s][0.25]["nDCG@10"])
+            best = max(conf, key=lambda s: table[s][0.25]["nDCG@10"])
             if student_name == "distilled" and tname == "rankvicuna-7b":
                 lines.append(f"gap recovered at 25%: {table['margin'][0.25]['recovered']:.2f} (random "
                              f"{table['random'][0.25]['recovered']:.2f}, oracle {table['oracle'][0.25]['recovered']:.2f})")
+                lines.append(f"gap recovered at 25% by the out-of-fold predictor: {table['predictor'][0.25]['recovered']:.2f}")
                 lines.append(f"(by the best signal at 25%, {best}: {table[best][0.25]['recovered']:.2f} — chosen on these "
                              "same queries, so read it as an upper bound)")
             for share in SHARES:
-                for policy in ("margin", "random", "oracle"):
+                for policy in ("margin", "predictor", "random", "oracle"):
                     rows.append([data.name, len(slates), "cascade", f"{student_name}+{policy}@{int(share * 100)}%",
                                  f"{table[policy][share]['nDCG@10']:.4f}", "", tname, "", "", ""])
             print(key, {s: round(table[s][0.25]["nDCG@10"], 4) for s in table}, flush=True)
