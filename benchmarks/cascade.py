@@ -3,9 +3,9 @@
     python benchmarks/cascade.py [--states runs/cascade/states]
 
 DL19's 43 queries, BM25 top 100, the same 5 teacher-folds by query hash as `hllm distilltext` (`FOLD_SALT`). The
-students are the shipped `smollm2-dl19-rankvicuna`'s shape refitted per fold on its training queries, the settings
-fixed (not chosen here): SmolLM2-135M frozen, cut after layer 16, mean-pooled states, a ridge probe (L2 1e3) under
-the first-stage prior (scale 1/32) — `distilled` on the teacher's whole order (RankVicuna-7B's, or gpt-3.5's run 1),
+students are the shipped `smollm2-dl19-rankvicuna` refitted per fold on its training queries, its settings read from
+its folder (`ShippedProbe`), not chosen here: SmolLM2-135M frozen, cut after layer 16, mean-pooled states, a ridge probe
+(L2 1e3) under the first-stage prior (scale 1/32) — `distilled` on the teacher's whole order (RankVicuna-7B's, or gpt-3.5's run 1),
 `judged` on the qrels. Each query is tested once, out of fold. Its confidence signals (`hllm.model.confidence`) are
 read off the same matrix; the teacher is the teacher's own run on the same candidates (files: nothing generates).
 
@@ -33,14 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from hllm.data.readers import read_slates  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
-from hllm.model.backbones import ModelConfig  # noqa: E402
 from hllm.model.confidence import confidence  # noqa: E402
-from hllm.model.heads import HeadConfig  # noqa: E402
-from hllm.model.prompts import PromptConfig  # noqa: E402
-from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noqa: E402
-from hllm.recipes.distilltext import FOLD_SALT, per_query, teacher_grades  # noqa: E402
+from hllm.model.ranker import SinglePassRanker  # noqa: E402
+from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, per_query, teacher_grades  # noqa: E402
 from hllm.teacher.external import external_rankings  # noqa: E402
-from hllm.train.head_fit import StateSlate, decode_orders, query_folds, ridge_utility, score_state_slates, set_utility  # noqa: E402
+from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates  # noqa: E402
 from hllm.train.state_cache import cached_states  # noqa: E402
 
 DL19 = ROOT.parent / "shared" / "data" / "trec-dl19-passage-bm25top100"
@@ -51,19 +48,14 @@ SINGLE_PASS_S = 0.024  # a 100-passage single pass on one H200 (reports/gpu_late
 TEACHER_S = 13.0  # a 7B AR teacher's top 100 in 9 sequential windows on one H100, estimated (reports/teacher_service.md)
 
 
-def ranker() -> SinglePassRanker:
-    return SinglePassRanker.build(RankerConfig(
-        model=ModelConfig(preset="smollm2-135m", context_length=8192), adapt=AdaptConfig(mode="frozen"), state_layer=16,
-        pooling="mean", prompt=PromptConfig(template="rankgpt-query", max_doc_tokens=48),
-        head=HeadConfig(kind="utility", positions=20, prior="logrank"))).eval()
+SHIPPED = ShippedProbe.load()  # the shipped student's config, ridge weight and prior scale, read from its folder
 
 
 def out_of_fold(model, slates, states, targets, folds) -> tuple[list[np.ndarray], list[list[int]]]:
     """Per query its (N, K) matrix and order from the probe fitted on the other folds' queries."""
     matrices: list[np.ndarray | None] = [None] * len(slates)
     for train, test in folds:
-        w, b = ridge_utility([StateSlate(slates[i], states[i], None, targets[i]) for i in train], 1e3)
-        set_utility(model, w, b, 1 / 32)
+        SHIPPED.fit(model, [StateSlate(slates[i], states[i], None, targets[i]) for i in train])
         for i, m in zip(test, score_state_slates(model, [StateSlate(slates[i], states[i]) for i in test])):
             matrices[i] = m
     return matrices, decode_orders(matrices)
@@ -156,7 +148,7 @@ def main() -> None:
     torch.set_num_threads(2)
     data = Path(args.data)
     slates = read_slates("beir", data, top_n=100)
-    model = ranker()
+    model = SinglePassRanker.build(SHIPPED.ranker).eval()
     states = cached_states(model, slates, args.states, shard_slates=4, progress=lambda d, t, s: print(
         f"states: {d}/{t} shards ({s:.0f}s)", flush=True))
     folds = query_folds(len(slates), [s.slate_id for s in slates], 5, FOLD_SALT)

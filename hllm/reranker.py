@@ -314,7 +314,7 @@ class Reranker:
             raise ValueError("windowed ranking needs a window (Reranker(window=...))")
         size = batch_size or self.batch_size
         tokens, truncated, shown, unknown = ([0] * len(queries) for _ in range(4))
-        assessed: list[tuple[Confidence, float | None] | None] = [None] * len(queries)  # each query's latest (top) window
+        last: list[tuple[np.ndarray, np.ndarray, float | None] | None] = [None] * len(queries)  # each query's latest (top) window
 
         def rank_windows(flat: list[tuple[int, list[int]]]) -> list[list[int]]:
             prompts = [self.encode(queries[i], [documents[i][j] for j in idx], max_doc_tokens) for i, idx in flat]
@@ -329,14 +329,14 @@ class Reranker:
             perms = []
             for (i, _), (matrix, trust) in zip(flat, scored):
                 perm = self.decode(matrix, decoder).permutation
-                assessed[i] = (confidence(matrix, perm, trust), trust)  # rounds go bottom-up: the last one decides the top
+                last[i] = (matrix, perm, trust)  # rounds go bottom-up: the last one decides the top
                 perms.append(perm.tolist())
             return perms
 
         stride = self.stride or self.window // 2
         orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
         return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)], unknown, shown,
-                        [a[0] for a in assessed], [a[1] for a in assessed])
+                        [confidence(*window) for window in last], [window[2] for window in last])
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,19 @@ def deepspeed_config(cfg: PipelineConfig, gpu: bool) -> dict[str, Any]:
     }
 
 
+def make_engine(ranker, cfg: PipelineConfig, gpu: bool):
+    """`deepspeed.initialize` around a student with the library's optimiser groups -> (engine, its schedule). A torch
+    AdamW: no fused_adam build on CPU."""
+    import deepspeed
+
+    from hllm.train.loop import make_optimizer, param_groups
+
+    optimizer, scheduler = make_optimizer(param_groups(ranker, cfg.student.train), cfg.student.train)
+    engine, _, _, _ = deepspeed.initialize(model=ranker, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(cfg, gpu))
+    return engine, scheduler
+
+
 class EngineOptimizer:
     """The library loop's `Optimizer`, stepping a DeepSpeed engine (clipping and the schedule are its)."""
 
@@ -102,12 +115,11 @@ def all_ranks_agree(stop: bool) -> bool:
 
 def train_func(config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker; everything it needs comes through `config`."""
-    import deepspeed
     import ray.train
     import torch
 
     from hllm.model.ranker import SinglePassRanker
-    from hllm.train.loop import make_optimizer, param_groups, student_batch, student_examples, student_loss, train_loop, validation_loss
+    from hllm.train.loop import student_batch, student_examples, student_loss, train_loop, validation_loss
 
     # DeepSpeed's ZeRO-2 gathers call torch's deprecated `all_gather_into_tensor`: not ours to change
     warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
@@ -125,9 +137,7 @@ def train_func(config: dict[str, Any]) -> None:
         ranker = SinglePassRanker.load(config["init_from"], trainable=True).to(device)
     else:
         ranker = SinglePassRanker.build(rcfg).to(device)
-    optimizer, scheduler = make_optimizer(param_groups(ranker, t), t)  # a torch AdamW: no fused_adam build on CPU
-    engine, _, _, _ = deepspeed.initialize(model=ranker, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, gpu))
+    engine, scheduler = make_engine(ranker, cfg, gpu)
     torch.manual_seed(t.seed + rank)
     step = 0
     checkpoint = ray.train.get_checkpoint()

@@ -8,7 +8,8 @@ as `hllm distilltext` (`hllm.recipes.distilltext.FOLD_SALT`), its prompt (`rankg
 and cut (SmolLM2-135M-Instruct after decoder layer 16). On each fold's training queries, tested once on its test queries:
 
 - `probe`: the shipped `smollm2-dl19-rankvicuna` refitted per fold — frozen, its mean-pooled states' ridge probe on the
-  teacher's whole order (L2 1e3) under the first-stage prior (scale 1/32): the settings its recipe chose, fixed here;
+  teacher's whole order (L2 1e3) under the first-stage prior (scale 1/32): the settings its recipe chose, read from its
+  folder (`hllm.recipes.distilltext.ShippedProbe`);
 - `head`: frozen backbone + the paper's 2-layer attention head (K = 20, rank prior), Sinkhorn CE on the teacher's order;
 - `lora`: LoRA r = 64 on every attention and MLP projection + the same head, the same loss;
 - `lora+qrels`: `lora` plus graded CE on the judged passages;
@@ -44,18 +45,18 @@ from hllm.eval.evaluation import first_stage_order  # noqa: E402
 from hllm.eval.metrics import kendall_tau  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
 from hllm.model.heads import HeadConfig  # noqa: E402
-from hllm.model.prompts import PromptConfig  # noqa: E402
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noqa: E402
 from hllm.records import RerankRequest  # noqa: E402
-from hllm.recipes.distilltext import FOLD_SALT, per_query, share_kept, teacher_grades  # noqa: E402
+from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, per_query, share_kept, teacher_grades  # noqa: E402
 from hllm.reranker import Reranker  # noqa: E402
 from hllm.teacher.external import external_rankings  # noqa: E402
-from hllm.train.head_fit import StateSlate, decode_orders, query_folds, ridge_utility, score_state_slates, set_utility  # noqa: E402
+from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates  # noqa: E402
 from hllm.train.loop import LossConfig, StudentExample, TrainConfig, train_student  # noqa: E402
 from hllm.train.state_cache import compute_states  # noqa: E402
 
 TEACHER_RUN = "teacher-runs/rankvicuna-7b_top100.tsv"
 STUDENTS = ("probe", "head", "lora", "lora+qrels", "lora-whole")
+SHIPPED = ShippedProbe.load()  # the shipped student's prompt, head, ridge weight and prior scale, read from its folder
 
 
 @dataclasses.dataclass
@@ -77,15 +78,16 @@ class Setup:
 
 
 def ranker_config(s: Setup, student: str) -> RankerConfig:
-    prompt = PromptConfig(template="rankgpt-query", max_doc_tokens=48)
-    if student == "probe":  # the shipped student's head: the utility probe under the first-stage log-rank prior
-        return RankerConfig(model=s.model, adapt=AdaptConfig(mode="frozen"), state_layer=s.layer, pooling="mean",
-                            prompt=prompt, head=HeadConfig(kind="utility", positions=s.positions, prior="logrank"))
+    """The shipped student's config (its prompt, frozen utility head; `ShippedProbe`) on this run's backbone and cut;
+    the trained students swap in the paper's attention head (and LoRA)."""
+    shipped = dataclasses.replace(SHIPPED.ranker, model=s.model, state_layer=s.layer,
+                                  head=dataclasses.replace(SHIPPED.ranker.head, positions=s.positions))
+    if student == "probe":
+        return shipped
     adapt = AdaptConfig(mode="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r) if student.startswith("lora") else \
         AdaptConfig(mode="frozen")
-    return RankerConfig(model=s.model, adapt=adapt, state_layer=s.layer, pooling="last+mean", prompt=prompt,
-                        head=HeadConfig(kind="attention", positions=s.positions, layers=2, width=s.head_width, num_heads=4,
-                                        prior="rank"))
+    return dataclasses.replace(shipped, adapt=adapt, pooling="last+mean", head=HeadConfig(
+        kind="attention", positions=s.positions, layers=2, width=s.head_width, num_heads=4, prior="rank"))
 
 
 def sub_slates(slate: RerankRequest, perm: list[int], m: int, rng: random.Random) -> list[tuple[RerankRequest, list[int]]]:
@@ -109,8 +111,7 @@ def train_ranker(s: Setup, student: str, slates: list[RerankRequest], perms: lis
         states = compute_states(ranker, slates)
         items = [StateSlate(sl, st, p, [float(g) for g in teacher_grades(p, len(p))]) for sl, st, p in zip(slates, states, perms)]
         t0 = time.perf_counter()
-        w, b = ridge_utility(items, 1e3)
-        set_utility(ranker, w.to(device), b.to(device), 1 / 32)
+        SHIPPED.fit(ranker, items)
         return ranker, time.perf_counter() - t0
     rng = random.Random(seed)
     pairs = [(sl, p) for sl, p in zip(slates, perms)] if student == "lora-whole" else \

@@ -4,8 +4,8 @@ ZeRO-2 DeepSpeed engine around a LoRA student, then the checkpoint saved, loaded
     python benchmarks/gpu/deepspeed_step.py --pack gpu_pack     # on the GPU (DeepSpeed carried as a wheel: scripts/gpu_pack.sh)
     python benchmarks/gpu/deepspeed_step.py                     # CPU: the tiny backbone, gloo
 
-The engine, its config (`deepspeed_config`) and the optimiser wrapper (`EngineOptimizer`) are the pipeline's own; a
-torch AdamW, as the pipeline passes, so no DeepSpeed op is compiled. Prints one line a phase and exits non-zero if the
+The engine (`make_engine`: its config and a torch AdamW, as the Train workers build it, so no DeepSpeed op is
+compiled) and the optimiser wrapper (`EngineOptimizer`) are the pipeline's own. Prints one line a phase and exits non-zero if the
 loaded weights differ from the saved ones.
 """
 
@@ -29,19 +29,10 @@ from hllm.data.synthetic import SyntheticConfig, generate  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
 from hllm.model.heads import HeadConfig  # noqa: E402
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noqa: E402
-from hllm.train.loop import (LossConfig, StudentExample, TrainConfig, batches, gold_permutation, make_optimizer,  # noqa: E402
-                             param_groups, student_batch, student_loss, train_loop)
+from hllm.train.loop import (LossConfig, StudentExample, TrainConfig, batches, gold_permutation,  # noqa: E402
+                             student_batch, student_loss, train_loop)
 from pipelines.common import PipelineConfig  # noqa: E402
-from pipelines.distill import EngineOptimizer, deepspeed_config  # noqa: E402
-
-
-def engine_for(ranker, cfg: PipelineConfig, gpu: bool):
-    import deepspeed
-
-    optimizer, scheduler = make_optimizer(param_groups(ranker, cfg.student.train), cfg.student.train)
-    engine, _, _, _ = deepspeed.initialize(model=ranker, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, gpu))
-    return engine, scheduler
+from pipelines.distill import EngineOptimizer, make_engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                           batches(examples, t.batch_size, t.seed), EngineOptimizer(engine, scheduler),
                           TrainConfig(steps=steps, batch_size=t.batch_size), device.type)
 
-    engine, scheduler = engine_for(ranker, cfg, gpu)
+    engine, scheduler = make_engine(ranker, cfg, gpu)
     t0 = time.perf_counter()
     history = step(engine, scheduler, args.steps)
     per_step = (time.perf_counter() - t0) / args.steps
@@ -87,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         engine.save_checkpoint(directory, tag="last", client_state={"step": args.steps})
         torch.manual_seed(1)  # the fresh engine starts from other weights: the load must bring them back
-        fresh, fresh_scheduler = engine_for(SinglePassRanker.build(rcfg).to(device), cfg, gpu)
+        fresh, fresh_scheduler = make_engine(SinglePassRanker.build(rcfg).to(device), cfg, gpu)
         _, client = fresh.load_checkpoint(directory, tag="last")
     loaded = {n: p.detach().float().cpu() for n, p in fresh.module.named_parameters() if p.requires_grad}
     differ = [n for n in saved if not torch.equal(saved[n], loaded[n])]

@@ -54,7 +54,8 @@ from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write
 from hllm.recipes.job import recipe_config, start_recipe
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, decode_orders, query_folds, score_state_slates
+from hllm.train.head_fit import (StateSlate, cv_ridge, cv_sgd, decode_orders, query_folds, ridge_utility, score_state_slates,
+                                 set_utility)
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_layer_states, layer_key
 
@@ -257,6 +258,32 @@ def choose(records: dict[str, dict], cfg: DistillTextConfig, method: str, teache
 
 FOLD_FIELDS = ("ranker", "layers", "collection", "teachers", "top_n", "folds", "cv_folds", "variants", "ridge_lambdas",
                "prior_scales", "teacher_depth", "sgd_head", "train", "rel", "seed")  # what a fold's results depend on
+
+
+@dataclass(frozen=True)
+class ShippedProbe:
+    """How the shipped `smollm2-dl19-rankvicuna` was made, read back from its folder: its ranker config (backbone,
+    cut, pooling, prompt, utility head) and the ridge weight and prior scale its recipe's CV chose."""
+
+    ranker: RankerConfig
+    ridge_lambda: float
+    prior_scale: float
+
+    @classmethod
+    def load(cls, name: str = "smollm2-dl19-rankvicuna") -> "ShippedProbe":
+        from hllm.config import from_dict
+        from hllm.model.backbones import PROVENANCE
+        from hllm.model.ranker import CONFIG_FILE
+        from hllm.reranker import resolve_model_uri
+
+        folder = resolve_model_uri(name)
+        fit = json.loads((folder / PROVENANCE).read_text())["fit"]
+        return cls(from_dict(RankerConfig, json.loads((folder / CONFIG_FILE).read_text())), fit["ridge_lambda"], fit["prior_scale"])
+
+    def fit(self, ranker: SinglePassRanker, items: list[StateSlate]) -> None:
+        """Its closed-form probe, refitted on `items`, into `ranker`'s utility head."""
+        w, b = ridge_utility(items, self.ridge_lambda)
+        set_utility(ranker, w.to(ranker.device), b.to(ranker.device), self.prior_scale)
 
 
 def fold_key(cfg: DistillTextConfig) -> str:

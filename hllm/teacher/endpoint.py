@@ -28,6 +28,7 @@ variable the config names and is never written anywhere (configs, logs, errors: 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -80,8 +81,6 @@ class EndpointConfig:
 
     def split_among(self, workers: int) -> "EndpointConfig":
         """This job's share for one of `workers` processes (Ray's teacher actors): concurrency and qps divided."""
-        import dataclasses
-
         return dataclasses.replace(self, concurrency=max(1, math.ceil(self.concurrency / workers)),
                                    qps=None if self.qps is None else self.qps / workers)
 
@@ -250,8 +249,6 @@ class _Tally:
     failures: dict[str, int] = field(default_factory=dict)
 
     def as_summary(self) -> dict[str, Any]:
-        import dataclasses
-
         return dataclasses.asdict(self)
 
 
