@@ -35,7 +35,7 @@ import torch
 from hllm.data.traffic import model_key
 from hllm.model.backbones import resolve_device
 from hllm.model.calibration import Calibrator
-from hllm.model.confidence import Confidence, confidence
+from hllm.model.confidence import CascadeThresholds, Confidence, confidence
 from hllm.model.decoding import DECODERS, Decoded
 from hllm.model.heads import within_support
 from hllm.model.prompts import EncodedPrompt, PromptTooLong, collate
@@ -170,6 +170,8 @@ class Reranker:
         self.window, self.stride, self.windowing = window, stride, windowing
         self.card: dict = {}  # what the model knows (`Reranker.load` reads the saved model card)
         self.calibrator: Calibrator | None = None  # P(relevant) from the matrix (`Reranker.load` reads calibration.json)
+        # its confidence's quantiles on the queries it was fitted on: a cascade's threshold for a share of traffic (cascade.json)
+        self.cascade_thresholds: CascadeThresholds | None = None
 
     @classmethod
     def load(cls, path_or_uri: str | Path, *, device: str = "auto", dtype: str | None = None, merge_lora: bool = True,
@@ -181,6 +183,7 @@ class Reranker:
         reranker = cls(model.to(resolve_device(device)), decoder, batch_size, window, stride, windowing, max_batch_tokens)
         reranker.card = read_model_card(path)
         reranker.calibrator = Calibrator.load(path)
+        reranker.cascade_thresholds = CascadeThresholds.load(path)
         return reranker
 
     @property

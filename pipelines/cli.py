@@ -73,7 +73,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
         raise ValueError("--teacher-url and --teacher-model go together (the server's URL and its model's name)")
     rule = None
     if args.cascade is not None:
-        from hllm.recipes.collection import CascadeRule
+        from hllm.recipes.cascade import CascadeRule
 
         if args.model is None or args.teacher_rankings is None:
             raise ValueError("--cascade needs the student that answers first (--model) and the teacher's rankings "
@@ -109,7 +109,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
               + (f"; the domain guard sent {stats['fell_back']} of {stats['queries']} queries toward the first-stage order"
                  if stats.get("fell_back") else ""))
     if rule is not None:
-        from hllm.recipes.collection import cascade
+        from hllm.recipes.cascade import cascade
         from hllm.teacher.external import FileTeacher
 
         counts = cascade(path, notes, slates, FileTeacher(args.teacher_format, args.teacher_rankings), rule, final,

@@ -57,7 +57,7 @@ def read_traffic(log_path: str, model_key: str, share: float) -> tuple[list[dict
     counts = {"files": len(scan.files), "files_skipped": len(scan.skipped), "rows": 0, **dict.fromkeys(traffic.STATUSES, 0)}
     if not scan.files:
         return [], counts, set()
-    ds = ray.data.read_parquet([str(p) for p in scan.files], columns=traffic.SCHEMA.names)
+    ds = ray.data.read_parquet([str(p) for p in scan.files], columns=traffic.REQUIRED)
     ds = ds.map_batches(_classify, fn_kwargs={"model_key": model_key, "share": share}, batch_format="pyarrow").materialize()
     for row in ds.groupby("status").count().take_all():
         counts[row["status"]] = int(row["count()"])

@@ -33,6 +33,7 @@ from ray.serve import Application
 from hllm.data.traffic import TrafficLogConfig
 from hllm.model.confidence import Confidence, confidence
 from hllm.model.prompts import EncodedPrompt
+from hllm.recipes.cascade import CascadeConfig, Escalation, OnlineCascade
 from hllm.reranker import UNKNOWN_TOKEN_WARNING, registry_alias, vocabulary_warning
 from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult, ResultDocument,
                            Usage, ValidationErrorBody)
@@ -118,6 +119,9 @@ class AppArgs(BaseModel):
     # loaded beside the serving version and swapped in (no request fails; meta.model_version says which
     # answered). None: resolved once, at start
     alias_poll_s: float | None = 15.0
+    # opt-in: the online cascade (hllm.recipes.cascade): a request whose confidence is below the threshold is answered
+    # by a served AR teacher within `deadline_ms`, else by the student; meta.answered_by says which
+    cascade: CascadeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class Served:
     reranker: Any  # hllm.Reranker
     model_id: str  # `model_id` of what was loaded: the response's meta.model_version
     model_key: str  # its prompt and vocabulary (hllm.data.traffic.model_key)
+    cascade_threshold: float | None = None  # the cascade's threshold for this model (its own saved quantiles for a share)
 
 
 def pinned_model(model: str) -> str:
@@ -158,15 +163,31 @@ def _replica_name() -> str:
         return f"pid{os.getpid()}"
 
 
-def traffic_record(response: RerankResponse, body: RerankBody, served: Served, ms: float):
+def traffic_record(response: RerankResponse, body: RerankBody, served: Served, ms: float,
+                   teacher_order: list[int] | None = None):
     """An answered request -> its traffic-log record (documents in request order; `order` and
-    `scores` as returned, all of them unless the request asked for `top_n`)."""
+    `scores` as returned, all of them unless the request asked for `top_n`; the cascade's teacher ranking, if any)."""
     from hllm.data.traffic import TrafficRecord
 
     return TrafficRecord(request_id=response.id, time=time.time(), model=served.model_id, model_key=served.model_key,
                          query=body.query, documents=body.texts(), order=[r.index for r in response.results],
                          scores=[r.relevance_score for r in response.results], n=len(body.documents), latency_ms=ms,
-                         unknown_token_share=response.meta.unknown_token_share, warnings=list(response.meta.warnings))
+                         unknown_token_share=response.meta.unknown_token_share, warnings=list(response.meta.warnings),
+                         answered_by=response.meta.answered_by or "student", teacher_order=list(teacher_order or []))
+
+
+def escalated(response: RerankResponse, body: RerankBody, e: Escalation) -> RerankResponse:
+    """The student's response after the cascade asked the teacher: the teacher's ranking where it answered (scores
+    rank-derived, 1 - rank / N: not calibrated), else the student's as it was; meta says who answered and the wait."""
+    meta = response.meta.model_copy(update={"answered_by": e.answered_by, "escalated": True,
+                                           "timings_ms": {**response.meta.timings_ms, "teacher": round(e.teacher_ms or 0.0, 3)}})
+    if e.order is None:
+        return response.model_copy(update={"meta": meta})
+    texts, n = body.texts(), len(e.order)
+    results = [RerankResult(index=i, relevance_score=1.0 - r / n, rank=r + 1,
+                            document=ResultDocument(text=texts[i]) if body.return_documents else None)
+               for r, i in enumerate(e.order[: body.top_n or n])]
+    return response.model_copy(update={"results": results, "meta": meta.model_copy(update={"calibrated": False})})
 
 
 def _example(description: str, detail) -> dict:
@@ -266,6 +287,29 @@ class RerankMetrics:
                                         tag_keys=("status",))
         self.swaps = metrics.Counter("hllm_model_swaps", description="a moved alias followed (swapped) or not "
                                      "(registry unreachable, a version that would not load)", tag_keys=("outcome",))
+        # the online cascade (AppArgs.cascade)
+        self.cascade = metrics.Counter("hllm_cascade_requests", description="requests answered under the cascade, by who "
+                                       "answered (hllm.recipes.cascade.ANSWERED_BY): escalations are all but `student`",
+                                       tag_keys=("answered_by",))
+        self.deadline_misses = metrics.Counter("hllm_cascade_deadline_misses", description="escalations whose teacher "
+                                               "answer missed cascade.deadline_ms (the student's answer stood)")
+        self.teacher_errors = metrics.Counter("hllm_cascade_teacher_errors", description="escalations the teacher failed, "
+                                              "by reason (http_5xx, timeout, unparseable, ...)", tag_keys=("reason",))
+        self.teacher_latency = hist("hllm_cascade_teacher_latency_ms", "the teacher's answer time per escalation asked (ms; "
+                                    "late answers when they come)", [50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000])
+        self.breaker_opens = metrics.Counter("hllm_cascade_breaker_opens", description="times the cascade's circuit breaker "
+                                             "opened (the teacher failed cascade.breaker_failures times in a row)")
+
+    def record_escalation(self, e: Escalation, opened: int) -> None:
+        self.cascade.inc(tags={"answered_by": e.answered_by})
+        if e.answered_by == "student_after_teacher_timeout":
+            self.deadline_misses.inc()
+        elif e.answered_by == "student_after_teacher_error":
+            self.teacher_errors.inc(tags={"reason": e.reason or "unknown"})
+        elif e.answered_by == "teacher":
+            self.teacher_latency.observe(e.teacher_ms)
+        if opened:
+            self.breaker_opens.inc(opened)
 
     def record(self, status: int, ms: float, documents: int, batch: int = 0, tokens: int = 0, windows: int = 1) -> None:
         self.requests.inc(tags={"status": str(status)})
@@ -287,13 +331,14 @@ class RerankDeployment:
     def __init__(self, args: dict):
         import torch
 
-        from hllm import Reranker
 
         self.args = AppArgs(**args)
         if self.args.threads:
             torch.set_num_threads(self.args.threads)
         if self.args.tracking_uri:
             os.environ["MLFLOW_TRACKING_URI"] = self.args.tracking_uri
+        self.cascade = OnlineCascade(self.args.cascade) if self.args.cascade is not None else None
+        self._opens_counted = 0  # the breaker's openings already counted in Prometheus
         self.served = self._load(pinned_model(self.args.model))
         api.state.max_body_bytes = self.args.max_body_bytes
         api.state.max_documents = self.args.max_documents
@@ -313,7 +358,8 @@ class RerankDeployment:
         reranker = Reranker.load(uri, device=self.args.device, merge_lora=self.args.merge_lora, decoder=self.args.decoder,
                                  window=self.args.window, stride=self.args.stride, windowing=self.args.windowing,
                                  max_batch_tokens=self.args.max_batch_tokens)
-        return Served(reranker, model_id(uri), reranker.model_key)
+        threshold = None if self.cascade is None else self.cascade.threshold_for(reranker.cascade_thresholds)
+        return Served(reranker, model_id(uri), reranker.model_key, threshold)
 
     def _watch_alias(self) -> None:
         """Resolves `models:/NAME@ALIAS` every `alias_poll_s`; a new version is loaded here, off the
@@ -364,15 +410,55 @@ class RerankDeployment:
         t0 = time.perf_counter()
         served = self.served  # one model for the whole request, whatever a swap does meanwhile
         response = await self._answer(body, t0, served)
+        escalation = None
+        if isinstance(response, RerankResponse) and self.cascade is not None:
+            response, escalation = await self._cascade(response, body, served)
         ms = 1000 * (time.perf_counter() - t0)
         if isinstance(response, RerankResponse):
             self.metrics.record(200, ms, len(body.documents), response.meta.batch_size, response.usage.prompt_tokens,
                                 response.meta.windows)
             if self.traffic is not None:
-                self.traffic.append(traffic_record(response, body, served, ms))
+                self._log(response, body, served, ms, escalation)
             return _json(response)
         self.metrics.record(response.status_code, ms, len(body.documents))
         return response
+
+    async def _cascade(self, response: RerankResponse, body: RerankBody, served: "Served"):
+        """The online cascade: below the threshold, the teacher within the deadline (it never raises)."""
+        meta = response.meta
+        if not self.cascade.wants(meta.confidence, served.cascade_threshold):
+            self.metrics.cascade.inc(tags={"answered_by": "student"})
+            return response.model_copy(update={"meta": meta.model_copy(update={"answered_by": "student", "escalated": False})}), None
+        e = await self.cascade.ask(body.query, body.texts())
+        opened, self._opens_counted = self.cascade.breaker.opens - self._opens_counted, self.cascade.breaker.opens
+        self.metrics.record_escalation(e, opened)
+        if e.late is not None:
+            t_ask = time.perf_counter() - (e.teacher_ms or 0.0) / 1000
+            e.late.add_done_callback(lambda task: self._late(task, t_ask))
+        return escalated(response, body, e), e
+
+    def _late(self, task: "asyncio.Task", t_ask: float) -> None:
+        """A teacher answer that missed the deadline, when it comes: its latency, and the breaker learns it is alive."""
+        if task.cancelled():
+            return
+        order, reason = task.result()
+        if order is not None:
+            self.metrics.teacher_latency.observe(1000 * (time.perf_counter() - t_ask))
+        else:
+            self.metrics.teacher_errors.inc(tags={"reason": reason or "unknown"})
+
+    def _log(self, response: RerankResponse, body: RerankBody, served: "Served", ms: float, e: Escalation | None) -> None:
+        """The traffic log's record, with the teacher's ranking: now, or (an answer still on its way past the
+        deadline) when it comes, so the flywheel sees the teacher's label on exactly the queries escalated."""
+        if e is None or e.late is None:
+            self.traffic.append(traffic_record(response, body, served, ms, e.order if e is not None else None))
+            return
+
+        def append(task: "asyncio.Task") -> None:
+            order = None if task.cancelled() else task.result()[0]
+            self.traffic.append(traffic_record(response, body, served, ms, order))
+
+        e.late.add_done_callback(append)
 
     async def _answer(self, body: RerankBody, t0: float, served: "Served"):
         from hllm import PromptTooLong

@@ -89,6 +89,12 @@ class Meta(BaseModel):
     # assignment's margin over its best one-move alternative in the top 10, the top positions' sharpness, the
     # share of the top 10 the first stage also has there, the guard's trust (1 without a guard)
     confidence: dict[str, float] | None = None
+    # the online cascade (deployments with args.cascade): who answered — student, teacher, or the student after the
+    # teacher missed the deadline / failed / while its circuit breaker is open / with its slots busy
+    # (student_after_teacher_timeout, student_after_teacher_error, student_breaker_open, student_teacher_busy) —
+    # and whether the request was escalated (its confidence below the threshold); timings_ms.teacher: the wait on it
+    answered_by: str | None = None
+    escalated: bool | None = None
 
 
 class RerankResponse(BaseModel):

@@ -9,7 +9,7 @@ import pytest
 
 from hllm.model.confidence import SIGNALS, assignment_margin, confidence
 from hllm.model.decoding import DECODERS
-from hllm.recipes.collection import CascadeRule
+from hllm.recipes.cascade import CascadeRule
 
 from conftest import gold_run
 from test_cli import _beir, student  # noqa: F401 (the module's tiny student fixture)
@@ -130,3 +130,124 @@ def test_the_cascade_benchmarks_curves_bracket_random_and_oracle():
     assert table["random"][0.25]["recovered"] == pytest.approx(0.25, abs=0.1)
     assert bench.auc(np.array([3.0, 2.0, 1.0, 0.0]), np.array([True, True, False, False])) == 1.0
     assert bench.auc(np.array([1.0, 1.0]), np.array([True, False])) == 0.5
+
+
+# ---- thresholds kept with the model, the circuit breaker, the online cascade ----------------------------------
+def test_thresholds_fitted_on_training_queries_are_saved_with_the_model_and_give_a_share(student, tmp_path):
+    import shutil
+
+    from hllm import Reranker
+    from hllm.data.readers import read_beir
+    from hllm.model.confidence import CascadeThresholds, Confidence
+    from hllm.recipes.cascade import fit_thresholds
+
+    rng = np.random.default_rng(0)
+    conf = [Confidence(float(m), 0.5, 1.0, 1.0) for m in rng.uniform(0, 10, size=400)]
+    table = CascadeThresholds.fit(conf, "synthetic")
+    margins = np.array([c.margin for c in conf])
+    for share in (0.1, 0.25, 0.5):
+        assert np.mean(margins < table.threshold("margin", share)) == pytest.approx(share, abs=0.01)
+    assert table.threshold("margin", 1.0) == np.inf and np.mean(margins < table.threshold("margin", 0.0)) == 0
+    assert table.threshold("agreement", 0.25) == 1.0 and not np.any(np.array([1.0]) < 1.0)  # all tied: none escalated
+    with pytest.raises(ValueError):
+        table.threshold("vibes", 0.25)
+
+    data = _beir(tmp_path / "beir", queries=6, docs=6)
+    model = tmp_path / "model"
+    shutil.copytree(student, model)
+    assert Reranker.load(model).cascade_thresholds is None
+    fitted = fit_thresholds(Reranker.load(model, window=4), read_beir(data, top_n=6), "beir training queries")
+    fitted.save(model)
+    loaded = Reranker.load(model).cascade_thresholds
+    assert loaded == fitted and loaded.fitted_on == {"queries": 6, "source": "beir training queries"}
+
+
+def test_the_circuit_breaker_opens_after_failures_in_a_row_and_tries_one_request_later():
+    from hllm.recipes.cascade import CircuitBreaker
+
+    now = [0.0]
+    b = CircuitBreaker(failures=3, reset_s=10, clock=lambda: now[0])
+    for ok in (False, False, True, False, False):  # a success resets the count
+        assert b.allow()
+        b.record(ok)
+    assert b.state == "closed" and b.allow()
+    b.record(False)  # the third in a row
+    assert b.state == "open" and not b.allow() and b.opens == 1
+    now[0] = 10.0
+    assert b.state == "half_open" and b.allow() and not b.allow()  # one trial at a time
+    b.record(False)  # the trial failed: open for another reset_s
+    assert b.state == "open" and b.opens == 2 and not b.allow()
+    now[0] = 20.5
+    assert b.allow()
+    b.record(True)
+    assert b.state == "closed" and b.allow() and b.failed == 0
+
+
+def test_the_online_cascade_needs_a_threshold_or_the_models_table():
+    from hllm.model.confidence import CascadeThresholds, Confidence
+    from hllm.recipes.cascade import CascadeConfig, OnlineCascade
+
+    teacher = {"url": "http://127.0.0.1:9/v1", "model": "m"}
+    with pytest.raises(ValueError, match="url"):
+        CascadeConfig(teacher={"model": "m"}, threshold=1.0)
+    with pytest.raises(ValueError, match="one of them"):
+        CascadeConfig(teacher=teacher)
+    by_share = OnlineCascade(CascadeConfig(teacher=teacher, share=0.5))
+    with pytest.raises(ValueError, match="no cascade.json"):
+        by_share.threshold_for(None)
+    table = CascadeThresholds.fit([Confidence(float(m), 0.5, 1.0, 1.0) for m in range(11)], "t")
+    assert by_share.threshold_for(table) == pytest.approx(5.0)
+    assert by_share.wants({"margin": 4.9}, 5.0) and not by_share.wants({"margin": 5.0}, 5.0)
+    assert OnlineCascade(CascadeConfig(teacher=teacher, threshold=0.3, signal="sharpness")).threshold_for(table) == 0.3
+
+
+@pytest.fixture
+def online(teacher_server, fault_proxy, monkeypatch):
+    """An online cascade against the real teacher server, through the fault proxy."""
+    from teacher_server import API_KEY, MODEL
+
+    from hllm.recipes.cascade import CascadeConfig, OnlineCascade
+
+    monkeypatch.setenv("HLLM_TEST_TEACHER_KEY", API_KEY)
+
+    def make(**changes) -> OnlineCascade:
+        teacher = {"url": fault_proxy.url, "model": MODEL, "api_key_env": "HLLM_TEST_TEACHER_KEY", "timeout_s": 20,
+                   "max_retries": 0, "concurrency": changes.pop("concurrency", 4)}
+        return OnlineCascade(CascadeConfig(teacher=teacher, prompt={"max_doc_tokens": 24}, threshold=1e9, window=4, stride=2,
+                                           **changes))
+    return make
+
+
+DOCS = ["acme red leather boots", "zenith blue cotton shirt", "acme red wool boots", "kairo green canvas backpack",
+        "nordic red leather boots"]
+
+
+@pytest.mark.slow
+def test_the_online_cascade_answers_in_time_or_lets_the_student_stand(online, fault_proxy):
+    import asyncio
+
+    async def run():
+        ok = await online(deadline_ms=60_000).ask("red boots", DOCS)
+        assert ok.answered_by == "teacher" and sorted(ok.order) == list(range(5)) and ok.teacher_ms > 0
+        assert len(fault_proxy.posts()) == 2  # two windows of 4 over 5 passages
+        slow = online(deadline_ms=50)  # a real answer takes longer than 50 ms
+        late = await slow.ask("red boots", DOCS)
+        assert late.answered_by == "student_after_teacher_timeout" and late.order is None and 50 <= late.teacher_ms < 1000
+        order, reason = await late.late  # finish_late: the answer still comes, for the traffic log
+        assert sorted(order) == list(range(5)) and reason == "" and slow.in_flight == 0
+        fault_proxy.faults.extend(["500", "garbage"])
+        failing = online(deadline_ms=60_000, breaker_failures=2, breaker_reset_s=1.0)
+        first, second = [await failing.ask("red boots", DOCS) for _ in range(2)]
+        assert (first.answered_by, first.reason) == ("student_after_teacher_error", "http_5xx")
+        assert (second.answered_by, second.reason) == ("student_after_teacher_error", "unparseable")
+        posts = len(fault_proxy.posts())
+        shut = await failing.ask("red boots", DOCS)  # open: not asked
+        assert shut.answered_by == "student_breaker_open" and len(fault_proxy.posts()) == posts
+        await asyncio.sleep(1.1)
+        trial = await failing.ask("red boots", DOCS)  # half-open: one trial, it answers, closed again
+        assert trial.answered_by == "teacher" and failing.breaker.state == "closed"
+        busy = online(deadline_ms=60_000, concurrency=1)
+        both = await asyncio.gather(busy.ask("red boots", DOCS), busy.ask("red boots", DOCS))
+        assert sorted(e.answered_by for e in both) == ["student_teacher_busy", "teacher"]
+
+    asyncio.run(run())

@@ -386,3 +386,109 @@ def test_start_serve_outlasts_a_proxy_wait_that_runs_out(app, monkeypatch):
     assert len(calls) == 2
     assert all(getattr(v, "value", v) == "HEALTHY" for v in serve.status().proxies.values())
     assert post(query="red boots", documents=DOCS).status_code == 200
+
+
+def prometheus(ray_local, patterns: dict[str, str], want: dict[str, float], timeout_s: float = 90) -> dict[str, float]:
+    """Sums of the Prometheus export's samples matching each pattern, polled until each reaches `want` (Ray exports
+    metrics every few seconds) or the time runs out."""
+    import re
+    import time
+
+    port = ray_local.nodes()[0]["MetricsExportPort"]
+    deadline, found = time.time() + timeout_s, {}
+    while time.time() < deadline:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        found = {k: sum(float(v) for v in re.findall(p, text, flags=re.M)) for k, p in patterns.items()}
+        if all(found[k] >= want.get(k, 0) for k in patterns):
+            break
+        time.sleep(2)
+    return found
+
+
+def test_the_online_cascade_answers_with_the_teacher_in_time_and_never_fails_a_request(app, student_dir, ray_local,
+                                                                                       teacher_server, fault_proxy, tmp_path):
+    """Serve's cascade against a real served teacher (llama.cpp + SmolLM2, through the fault proxy): a teacher that
+    answers, one that fails (the breaker opens, then closes on a trial), one too slow for the deadline (its late
+    answers still reach the traffic log) — under concurrent requests: no failed request, and every count agrees
+    between meta, the proxy and Prometheus."""
+    import time
+
+    from ray import serve
+    from teacher_server import MODEL
+
+    from hllm.data.traffic import read_log, scan
+    from serve.app import AppArgs, RerankDeployment
+
+    def cascade(deadline_ms: float, breaker_failures: int) -> dict:
+        return {"teacher": {"url": fault_proxy.url, "model": MODEL, "api_key_env": "HLLM_TEST_TEACHER_KEY", "timeout_s": 30,
+                            "max_retries": 0}, "prompt": {"max_doc_tokens": 24}, "threshold": 1e9,  # every request escalates
+                "deadline_ms": deadline_ms, "window": 4, "stride": 2, "breaker_failures": breaker_failures, "breaker_reset_s": 3}
+
+    def deploy(name: str, **cfg) -> None:
+        d = RerankDeployment.options(name=name, ray_actor_options={"num_cpus": 0.5})
+        serve.run(d.bind(AppArgs(model=str(student_dir), cascade=cascade(**cfg), traffic_log={
+            "path": str(tmp_path / name), "flush_records": 4, "flush_seconds": 0.5}).model_dump()), name=name, route_prefix=f"/{name}")
+
+    def burst(name: str, n: int) -> list[dict]:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            replies = list(pool.map(lambda _: requests.post(f"{URL}/{name}/v1/rerank", timeout=120, json={
+                "query": "red boots", "documents": DOCS}), range(n)))
+        assert [r.status_code for r in replies] == [200] * n, [r.text for r in replies]  # never a failed request
+        for r in replies:
+            assert sorted(x["index"] for x in r.json()["results"]) == list(range(len(DOCS)))
+        return [r.json() for r in replies]
+
+    deploy("cascade", deadline_ms=60_000, breaker_failures=3)
+    deploy("slow", deadline_ms=100, breaker_failures=100)
+    try:
+        # 1. the teacher answers: 4 at once, each its teacher's ranking (rank-derived scores, not calibrated)
+        answered = burst("cascade", 4)
+        for a in answered:
+            assert a["meta"]["answered_by"] == "teacher" and a["meta"]["escalated"] and not a["meta"]["calibrated"]
+            assert a["meta"]["timings_ms"]["teacher"] > 0 and a["results"][0]["relevance_score"] == 1.0
+        assert len(fault_proxy.posts()) == 8  # two windows of 4 over 5 passages each
+        # 2. the teacher fails: 6 at once meet 500s; past 3 failures in a row the breaker opens
+        fault_proxy.faults.extend(["500"] * 6)
+        before = len(fault_proxy.posts())
+        failing = collections.Counter(a["meta"]["answered_by"] for a in burst("cascade", 6))
+        fives = sum(f == "500" for _, f, _ in fault_proxy.posts()[before:])
+        fault_proxy.faults.clear()
+        assert set(failing) <= {"student_after_teacher_error", "student_breaker_open"}, failing
+        assert failing["student_after_teacher_error"] == fives >= 3 and sum(failing.values()) == 6
+        posts = len(fault_proxy.posts())
+        shut = burst("cascade", 1)[0]["meta"]
+        assert shut["answered_by"] == "student_breaker_open" and len(fault_proxy.posts()) == posts  # not asked
+        time.sleep(3.5)
+        assert burst("cascade", 1)[0]["meta"]["answered_by"] == "teacher"  # the trial answered: closed again
+        # 3. too slow for a 100 ms deadline: the student's answer at once; the teacher's later, in the traffic log
+        slow = burst("slow", 3)
+        assert {a["meta"]["answered_by"] for a in slow} == {"student_after_teacher_timeout"}
+        waits = [a["meta"]["timings_ms"]["teacher"] for a in slow]
+        assert all(100 <= w < 1000 for w in waits), waits  # the deadline (plus the event loop's turn), not the answer
+        deadline, rows = time.time() + 120, []
+        while time.time() < deadline and len(rows) < 3:
+            time.sleep(1)
+            rows = read_log(scan(tmp_path / "slow").files)
+        assert len(rows) == 3 and {r["answered_by"] for r in rows} == {"student_after_teacher_timeout"}
+        assert all(sorted(r["teacher_order"]) == list(range(len(DOCS))) for r in rows)  # the late answers, kept
+        logged = read_log(scan(tmp_path / "cascade").files)
+        assert collections.Counter(r["answered_by"] for r in logged)["teacher"] == 5
+        assert all(r["teacher_order"] == r["order"] for r in logged if r["answered_by"] == "teacher")
+        # 4. Prometheus counts what meta said
+        def sample(metric: str, **tags) -> str:  # its samples with these tags, in any order
+            return rf"^ray_{metric}(?:_total)?\{{" + "".join(f'(?=[^}}]*{k}="{v}")' for k, v in tags.items()) + r"[^}]*\} ([0-9.]+)"
+
+        patterns = {"teacher": sample("hllm_cascade_requests", application="cascade", answered_by="teacher"),
+                    "errors": sample("hllm_cascade_requests", application="cascade", answered_by="student_after_teacher_error"),
+                    "open": sample("hllm_cascade_requests", application="cascade", answered_by="student_breaker_open"),
+                    "http_5xx": sample("hllm_cascade_teacher_errors", application="cascade", reason="http_5xx"),
+                    "opens": sample("hllm_cascade_breaker_opens", application="cascade"),
+                    "misses": sample("hllm_cascade_deadline_misses", application="slow"),
+                    "latency": sample("hllm_cascade_teacher_latency_ms_count", application="cascade")}
+        want = {"teacher": 5, "errors": fives, "open": failing["student_breaker_open"] + 1, "http_5xx": fives, "opens": 1,
+                "misses": 3, "latency": 5}
+        found = prometheus(ray_local, patterns, want)
+        assert found == {k: float(v) for k, v in want.items()}, (found, want)
+    finally:
+        serve.delete("cascade")
+        serve.delete("slow")

@@ -74,6 +74,10 @@ class TrafficRecord:
     latency_ms: float
     unknown_token_share: float
     warnings: list[str] = field(default_factory=list)
+    # under Serve's cascade: who answered (hllm.recipes.cascade.ANSWERED_BY; "student" without a cascade) and the
+    # served teacher's ranking where it gave one (in time, or late: finish_late), else empty
+    answered_by: str = "student"
+    teacher_order: list[int] = field(default_factory=list)
 
 
 SCHEMA = pa.schema([
@@ -81,7 +85,11 @@ SCHEMA = pa.schema([
     ("query", pa.string()), ("documents", pa.list_(pa.string())), ("order", pa.list_(pa.int32())),
     ("scores", pa.list_(pa.float32())), ("n", pa.int32()), ("latency_ms", pa.float32()),
     ("unknown_token_share", pa.float32()), ("warnings", pa.list_(pa.string())),
+    ("answered_by", pa.string()), ("teacher_order", pa.list_(pa.int32())),
 ])
+# columns a log written before the cascade lacks: read as their defaults (`read_log`; the refresh reads `REQUIRED`)
+OPTIONAL = {"answered_by": "student", "teacher_order": ()}
+REQUIRED = [n for n in SCHEMA.names if n not in OPTIONAL]
 assert SCHEMA.names == [f.name for f in dataclasses.fields(TrafficRecord)]
 
 
@@ -242,7 +250,7 @@ def scan(path: str | Path) -> LogScan:
         except (OSError, pa.ArrowException) as err:
             skipped.append((str(p), f"unreadable: {err}"))
             continue
-        missing = set(SCHEMA.names) - set(schema.names)
+        missing = set(REQUIRED) - set(schema.names)
         if missing:
             skipped.append((str(p), f"not a traffic log file: no column(s) {sorted(missing)}"))
             continue
@@ -251,8 +259,14 @@ def scan(path: str | Path) -> LogScan:
 
 
 def read_log(files: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """The rows of readable log files (tests, small logs; the refresh reads with Ray Data)."""
-    return [row for p in files for row in pq.read_table(p, columns=SCHEMA.names).to_pylist()]
+    """The rows of readable log files (tests, small logs; the refresh reads with Ray Data), each with every column
+    of `SCHEMA` (a file written before a column existed: its default)."""
+    rows = []
+    for p in files:
+        names = pq.read_schema(p).names
+        table = pq.read_table(p, columns=[n for n in SCHEMA.names if n in names])
+        rows += [{**OPTIONAL, **row} for row in table.to_pylist()]
+    return rows
 
 
 def request_key(query: str, documents: Sequence[str]) -> str:

@@ -18,8 +18,12 @@ the slates whose chosen signal is lowest.
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
@@ -82,3 +86,52 @@ def confidence(scores: np.ndarray, order: np.ndarray, trust: float | None = None
     order = np.asarray(order)
     return Confidence(margin=assignment_margin(scores, order, k), sharpness=sharpness(scores, order, k),
                       agreement=agreement(order, k), trust=1.0 if trust is None else float(trust))
+
+
+# ---- thresholds kept with the model ---------------------------------------------------------------------
+THRESHOLDS_FILE = "cascade.json"
+GRID = np.linspace(0.0, 1.0, 101)  # shares 0%, 1%, ..., 100%
+
+
+@dataclass(frozen=True)
+class CascadeThresholds:
+    """Each signal's quantiles over the queries a model was fitted on: `threshold(signal, share)` is the value
+    below which that share of those queries fell, so escalating below it sends about `share` of like traffic."""
+
+    quantiles: dict[str, list[float]]  # signal -> its value at each share of GRID
+    fitted_on: dict[str, Any]  # queries, source
+
+    @classmethod
+    def fit(cls, confidences: Sequence[Confidence], source: str) -> "CascadeThresholds":
+        if not confidences:
+            raise ValueError("cascade thresholds need the confidence of at least one query")
+        quantiles = {s: [float(v) for v in np.quantile([c.value(s) for c in confidences], GRID)] for s in SIGNALS}
+        return cls(quantiles, {"queries": len(confidences), "source": source})
+
+    def threshold(self, signal: str, share: float) -> float:
+        """The value a query's `signal` must fall below to be escalated, for about `share` of the queries
+        (1: every query, +inf)."""
+        if signal not in self.quantiles:
+            raise ValueError(f"cascade signal {signal!r}: the thresholds have {list(self.quantiles)}")
+        if not 0 <= share <= 1:
+            raise ValueError(f"cascade share {share}: in [0, 1]")
+        if share >= 1:
+            return math.inf
+        # the smallest value with at least `share` of the queries below or at it: values strictly below it are
+        # at most `share` of the fitted queries (a signal with ties escalates fewer, never more)
+        return float(np.interp(share, GRID, self.quantiles[signal]))
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / THRESHOLDS_FILE
+        path.write_text(json.dumps({"quantiles": self.quantiles, "grid": "shares 0..1 by 0.01",
+                                    "fitted_on": self.fitted_on}, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "CascadeThresholds | None":
+        """The model's thresholds, or None for a model saved without them."""
+        path = Path(directory) / THRESHOLDS_FILE
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        return cls(data["quantiles"], data["fitted_on"])

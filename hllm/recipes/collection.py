@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,71 +193,3 @@ def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: st
     totals = run.stats()
     run.finish()
     return run.out, {**totals, "shards": len(run.shards), "resumed_shards": resumed}
-
-
-# ---- the cascade: the teacher where the single pass is unsure -----------------------------------------
-@dataclass(frozen=True)
-class CascadeRule:
-    """Which queries go to the teacher: the `share` least confident by `signal`, or those below `threshold`."""
-
-    signal: str = "margin"  # hllm.model.confidence.SIGNALS
-    share: float | None = None  # in (0, 1]
-    threshold: float | None = None
-
-    def __post_init__(self) -> None:
-        from hllm.model.confidence import SIGNALS
-
-        if self.signal not in SIGNALS:
-            raise ValueError(f"cascade signal {self.signal!r}: known {list(SIGNALS)}")
-        if (self.share is None) == (self.threshold is None):
-            raise ValueError("a cascade takes a share of the queries or a threshold on the signal, one of them")
-        if self.share is not None and not 0 < self.share <= 1:
-            raise ValueError(f"cascade share {self.share}: in (0, 1] (e.g. 25%)")
-
-    @classmethod
-    def parse(cls, text: str, signal: str = "margin") -> "CascadeRule":
-        """`25%` -> the least confident quarter; `0.8` -> every query whose signal is below 0.8."""
-        try:
-            return cls(signal, share=float(text[:-1]) / 100) if text.endswith("%") else cls(signal, threshold=float(text))
-        except ValueError as err:
-            raise ValueError(f"--cascade {text!r}: a share such as 25% or a threshold such as 0.8 ({err})") from None
-
-    def escalate(self, notes: Sequence[dict[str, Any]]) -> set[str]:
-        """The query ids to hand to the teacher."""
-        values = sorted((n["confidence"][self.signal], n["qid"]) for n in notes)  # least confident first, ties by id
-        if self.share is not None:
-            return {q for _, q in values[: math.ceil(self.share * len(values))]}
-        return {q for v, q in values if v < self.threshold}
-
-
-def cascade(student_run: str | Path, notes_path: str | Path, slates: Sequence[RerankRequest], teacher, rule: CascadeRule,
-            out: str | Path, tag: str = "hllm-cascade") -> dict[str, Any]:
-    """The student's run, with the queries `rule` escalates ranked by `teacher` (anything with `rank_covered`, e.g.
-    `hllm.teacher.external.FileTeacher`, or `rank`) instead -> `out` (atomically), and the notes rewritten with who
-    answered each query (`student`, `teacher`, or `student_teacher_missing` where the teacher had no ranking).
-    -> counts: queries, escalated, answered by the teacher, teacher missing."""
-    from hllm.data.readers import read_run
-    from hllm.eval.runfile import atomic_write, run_lines
-
-    notes = [json.loads(line) for line in Path(notes_path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    chosen = rule.escalate(notes)
-    by_id = {s.slate_id: s for s in slates}
-    escalated = [by_id[q] for q in sorted(chosen)]
-    rankings = teacher.rank(escalated) if escalated else []
-    teacher_order = {s.slate_id: r.permutation for s, r in zip(escalated, rankings) if r.permutation is not None}
-    student = read_run(student_run)
-    orders, answered = [], {}
-    for s in slates:
-        index = {c.docid: i for i, c in enumerate(s.candidates)}
-        if s.slate_id in teacher_order:
-            orders.append(teacher_order[s.slate_id])
-            answered[s.slate_id] = "teacher"
-        else:
-            orders.append([index[d] for d, _ in student[s.slate_id]])
-            answered[s.slate_id] = "student_teacher_missing" if s.slate_id in chosen else "student"
-    atomic_write(out, "\n".join(run_lines(slates, orders, tag)) + "\n")
-    for n in notes:
-        n["escalated"], n["answered_by"] = n["qid"] in chosen, answered[n["qid"]]
-    atomic_write(notes_path, "".join(json.dumps(n) + "\n" for n in notes))
-    return {"queries": len(slates), "escalated": len(chosen), "teacher": len(teacher_order),
-            "teacher_missing": len(chosen) - len(teacher_order), "signal": rule.signal}

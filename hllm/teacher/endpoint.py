@@ -28,6 +28,7 @@ variable the config names and is never written anywhere (configs, logs, errors: 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import hashlib
 import json
@@ -47,6 +48,8 @@ from hllm.model.windows import WINDOWINGS, merge_counts, rank_with_windows
 from hllm.records import ParseCounts, RerankRequest, TeacherRanking
 from hllm.teacher.parsing import extract_ids, parse_ranking
 
+# the figures of the call a request belongs to: the HTTP client's hooks count into it (one client may serve many calls)
+_TALLY: contextvars.ContextVar["_Tally"] = contextvars.ContextVar("hllm_endpoint_tally")
 FAILURE_REASONS = ("http_429", "http_5xx", "http_4xx", "timeout", "connection", "unparseable")
 _ENV_REF = re.compile(r"^\$\{(\w+)\}$")
 
@@ -278,9 +281,12 @@ class EndpointTeacher:
         if generation.constrained:
             raise ValueError("teacher.generation.constrained: a served teacher writes free text; set it false")
         self.cfg, self.prompt, self.generation = cfg, prompt, generation
-        self.cache = AnswerCache(cache_dir if cfg.cache else None)
+        self.cache = AnswerCache(cache_dir) if cfg.cache else None  # no cache: nothing kept, not even in memory
         self._key = self._read_key()
         self._headers()  # an unset "${VAR}" header fails here, not at the first request
+        import openai  # noqa: F401 — imported now (seconds on a busy machine), not inside a request's event loop
+
+        self._kept = None  # (event loop, HTTP client) of `arank`
 
     def _read_key(self) -> str:
         if self.cfg.api_key_env is None:
@@ -324,21 +330,25 @@ class EndpointTeacher:
         return rankings, {"endpoint": tally.as_summary()}
 
     async def arank(self, requests: Sequence[RerankRequest]) -> tuple[list[TeacherRanking], dict]:
-        """`rank_summarized` inside a running event loop (a Serve replica)."""
+        """`rank_summarized` inside a running event loop (a Serve replica): one HTTP client kept for the loop, so a
+        call costs no client set-up (tens of ms of TLS context, on the loop) and the `qps` pace holds across calls."""
         tally = _Tally()
-        rankings = await self._rank_all(requests, tally)
+        loop = asyncio.get_running_loop()
+        if self._kept is None or self._kept[0] is not loop:
+            self._kept = (loop, self._client())
+        rankings = await self._rank_all(requests, tally, client=self._kept[1])
         tally.failures = failure_counts(rankings)[0]
         return rankings, {"endpoint": tally.as_summary()}
 
     # -- the work ----------------------------------------------------------------------------------------
-    def _client(self, tally: _Tally):
+    def _client(self):
         import openai
 
         interval = 1.0 / self.cfg.qps if self.cfg.qps else 0.0
         pace = {"next": 0.0}
 
         async def on_request(request) -> None:  # every attempt, retries too: counted and paced
-            tally.attempts += 1
+            _TALLY.get().attempts += 1
             if interval:
                 now = time.monotonic()
                 wait, pace["next"] = pace["next"] - now, max(now, pace["next"]) + interval
@@ -347,18 +357,24 @@ class EndpointTeacher:
 
         async def on_response(response) -> None:
             if response.status_code >= 400:
-                tally.retried[str(response.status_code)] = tally.retried.get(str(response.status_code), 0) + 1
+                retried = _TALLY.get().retried
+                retried[str(response.status_code)] = retried.get(str(response.status_code), 0) + 1
 
         http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [on_request], "response": [on_response]})
         return openai.AsyncOpenAI(base_url=self.cfg.url, api_key=self._key, default_headers=self._headers(),
                                   timeout=self.cfg.timeout_s, max_retries=self.cfg.max_retries, http_client=http)
 
-    async def _rank_all(self, requests: Sequence[RerankRequest], tally: _Tally, windowed: bool = True
+    async def _rank_all(self, requests: Sequence[RerankRequest], tally: _Tally, windowed: bool = True, client=None
                         ) -> list[TeacherRanking]:
+        """Every slate at once, at most `concurrency` requests in flight; on `client` (kept by the caller), else on a
+        client of this call's own."""
         slots = asyncio.Semaphore(self.cfg.concurrency)
-        async with self._client(tally) as client:
-            ask = lambda docs, query: self._ask(client, slots, tally, query, docs)  # noqa: E731
-            return list(await asyncio.gather(*(self._rank_slate(ask, r, windowed) for r in requests)))
+        _TALLY.set(tally)  # this task's, and the tasks gather makes from it
+        if client is None:
+            async with self._client() as client:
+                return await self._rank_all(requests, tally, windowed, client)
+        ask = lambda docs, query: self._ask(client, slots, tally, query, docs)  # noqa: E731
+        return list(await asyncio.gather(*(self._rank_slate(ask, r, windowed) for r in requests)))
 
     async def _rank_slate(self, ask, slate: RerankRequest, windowed: bool) -> TeacherRanking:
         """One query: its windows in sequence (each round's windows at once), stopping at the first failure."""
@@ -396,7 +412,7 @@ class EndpointTeacher:
         max_tokens = self.cfg.max_tokens or self.generation.max_new_tokens or answer_chars(len(docs)) + 8
         request = {"model": self.cfg.model, "messages": messages, "temperature": 0.0, "max_tokens": max_tokens}
         key = AnswerCache.key(request)
-        kept = self.cache.get(key)
+        kept = self.cache.get(key) if self.cache is not None else None
         if kept is not None:
             tally.cached += 1
             parsed = parse_ranking(kept["text"], len(docs), repair=self.generation.repair)
@@ -428,5 +444,6 @@ class EndpointTeacher:
         if parsed.permutation is None or not any(1 <= i <= len(docs) for i in extract_ids(text)[0]):
             # no ranking in it (a repair would only restate the input order): a failure, not kept, asked again on a rerun
             return _Answer(None, text, parsed.counts, prompt_tokens, completion_tokens, latency, "unparseable")
-        self.cache.put(key, text, prompt_tokens, completion_tokens)
+        if self.cache is not None:
+            self.cache.put(key, text, prompt_tokens, completion_tokens)
         return _Answer(parsed.permutation, text, parsed.counts, prompt_tokens, completion_tokens, latency)
