@@ -2,6 +2,7 @@
 
     hllm rerank --model runs/default/student --data ../shared/data/trec-dl19-passage-bm25top100 --out dl19.trec
     hllm rerank --teacher runs/default --data DIR --out teacher.trec       # the AR teacher, for comparison
+    hllm rerank --model M --data DIR --out c.trec --cascade ~25% --cascade-url http://gpu:8000/v1 --teacher-model NAME
     hllm evaluate --run dl19.trec --qrels DIR/qrels/test.tsv
     hllm config show [--config configs/dl19-smollm2.yaml] [key=value ...]
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
@@ -69,18 +70,25 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     from hllm.eval.runfile import evaluate, evaluate_run
     from hllm.recipes.collection import RerankSpec, rerank_collection
 
-    if (args.teacher_url is None) != (args.teacher_model is None):
-        raise ValueError("--teacher-url and --teacher-model go together (the server's URL and its model's name)")
+    served = args.teacher_url or args.cascade_url
+    if (served is None) != (args.teacher_model is None):
+        raise ValueError("--teacher-url (or --cascade-url) and --teacher-model go together (the server's URL and its model's name)")
     rule = None
     if args.cascade is not None:
+        from hllm.model.confidence import CascadeThresholds
         from hllm.recipes.cascade import CascadeRule
+        from hllm.reranker import resolve_model_uri
 
-        if args.model is None or args.teacher_rankings is None:
-            raise ValueError("--cascade needs the student that answers first (--model) and the teacher's rankings "
-                             "(--teacher-rankings FILE)")
-        rule = CascadeRule.parse(args.cascade, args.cascade_signal)
-    spec = RerankSpec(model=args.model, teacher=args.teacher, teacher_url=args.teacher_url, teacher_model=args.teacher_model,
-                      teacher_api_key_env=args.teacher_api_key_env, concurrency=args.concurrency, qps=args.qps,
+        if args.model is None or (args.teacher_rankings is None) == (args.cascade_url is None):
+            raise ValueError("--cascade needs the student that answers first (--model) and one teacher: its rankings "
+                             "(--teacher-rankings FILE) or a served one (--cascade-url URL --teacher-model NAME)")
+        thresholds = CascadeThresholds.load(resolve_model_uri(args.model)) if args.cascade.startswith("~") else None
+        rule = CascadeRule.parse(args.cascade, args.cascade_signal, thresholds)
+    elif args.cascade_url is not None:
+        raise ValueError("--cascade-url is the cascade's teacher: give --cascade SHARE%|THRESHOLD too")
+    spec = RerankSpec(model=args.model, teacher=args.teacher, teacher_url=args.teacher_url,
+                      teacher_model=args.teacher_model if args.teacher_url else None,  # (--cascade-url's is the cascade's)
+                      teacher_api_key_env=args.teacher_api_key_env if args.teacher_url else None, concurrency=args.concurrency, qps=args.qps,
                       max_failed_share=args.max_failed_share, window=args.window, stride=args.stride,
                       windowing=args.windowing, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
                       device=args.device, threads=args.threads, tag=args.tag)
@@ -110,15 +118,18 @@ def cmd_rerank(args: argparse.Namespace) -> int:
                  if stats.get("fell_back") else ""))
     if rule is not None:
         from hllm.recipes.cascade import cascade
-        from hllm.teacher.external import FileTeacher
 
-        counts = cascade(path, notes, slates, FileTeacher(args.teacher_format, args.teacher_rankings), rule, final,
-                         args.tag + "-cascade")
+        counts = cascade(path, notes, slates, _cascade_teacher(args, final), rule, final, args.tag + "-cascade")
         notes.replace(final.with_name(final.name + ".queries.jsonl"))
+        which = f"below {rule.threshold:.4g}" if rule.threshold is not None else "the least confident"
         print(f"cascade: {counts['escalated']} of {counts['queries']} queries ({counts['escalated'] / max(counts['queries'], 1):.0%})"
-              f" went to the teacher, the least confident by {rule.signal}"
+              f" went to the teacher, {which} by {rule.signal}"
               + (f"; {counts['teacher_missing']} of them had no teacher ranking (the student's stands)" if counts["teacher_missing"] else "")
               + f"; wrote {final}")
+        if "endpoint" in counts["teacher_figures"]:
+            from hllm.teacher.endpoint import endpoint_figures, endpoint_line
+
+            print(f"cascade teacher endpoint: {endpoint_line(endpoint_figures(counts['teacher_figures']['endpoint']))}")
     _warn_vocabulary(spec, stats, args.unknown_token_warning)
     if qrels is None:
         return 0
@@ -131,6 +142,19 @@ def cmd_rerank(args: argparse.Namespace) -> int:
         rows[f"cascade ({args.cascade} by {rule.signal})"] = evaluate_run(final, qrels, rel)
     _report(rows, args.json, why)
     return 0
+
+
+def _cascade_teacher(args: argparse.Namespace, final: Path):
+    """The cascade's teacher: a rankings file, or a served LLM (its answers kept beside the run: a rerun asks nothing twice)."""
+    if args.teacher_rankings is not None:
+        from hllm.teacher.external import FileTeacher
+
+        return FileTeacher(args.teacher_format, args.teacher_rankings)
+    from hllm.recipes.collection import RerankSpec, answers_folder, served_teacher
+
+    spec = RerankSpec(teacher_url=args.cascade_url, teacher_model=args.teacher_model, teacher_api_key_env=args.teacher_api_key_env,
+                      concurrency=args.concurrency, qps=args.qps, stride=None, windowing=args.windowing)  # its windows: 20 by 10
+    return served_teacher(spec, answers_folder(final))
 
 
 def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
@@ -274,12 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--teacher", help="a job's output folder (runs/default): rerank with its AR teacher instead")
     who.add_argument("--teacher-url", help="an OpenAI-compatible server's base URL (http://host:8000/v1): rerank with "
                      "the AR teacher it serves (RankGPT prompt, sliding windows; answers kept in OUT.answers/)")
-    r.add_argument("--teacher-model", help="--teacher-url: the served model's name")
-    r.add_argument("--teacher-api-key-env", metavar="VAR", help="--teacher-url: the environment variable holding its API key")
-    r.add_argument("--concurrency", type=int, default=8, help="--teacher-url: requests in flight (all actors together)")
-    r.add_argument("--qps", type=float, help="--teacher-url: request starts a second, retries included (default: no cap)")
-    r.add_argument("--cascade", metavar="SHARE%|THRESHOLD", help="--model: hand the least confident queries to the "
-                   "teacher: 25%% (that share, least confident first) or 0.8 (every query whose signal is below it)")
+    r.add_argument("--teacher-model", help="--teacher-url, --cascade-url: the served model's name")
+    r.add_argument("--teacher-api-key-env", metavar="VAR", help="--teacher-url, --cascade-url: the environment variable "
+                   "holding its API key")
+    r.add_argument("--concurrency", type=int, default=8, help="--teacher-url, --cascade-url: requests in flight (all actors together)")
+    r.add_argument("--qps", type=float, help="--teacher-url, --cascade-url: request starts a second, retries included (default: no cap)")
+    r.add_argument("--cascade", metavar="SHARE%|~SHARE%|THRESHOLD", help="--model: hand the least confident queries to the "
+                   "teacher: 25%% (that share of these queries, least confident first), ~25%% (below the model's own threshold "
+                   "for about 25%%: cascade.json, fitted on its training-side queries) or 0.8 (below it)")
+    r.add_argument("--cascade-url", metavar="URL", help="--cascade: the teacher is the LLM this OpenAI-compatible server "
+                   "serves (with --teacher-model; RankGPT prompt, windows of 20 by 10; answers kept in OUT.answers/)")
     r.add_argument("--cascade-signal", default="margin", choices=SIGNALS,
                    help="--cascade: which confidence signal orders the queries (hllm.model.confidence)")
     r.add_argument("--teacher-rankings", metavar="FILE", help="--cascade: the teacher's rankings (a file FileTeacher reads)")

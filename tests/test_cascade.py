@@ -251,3 +251,42 @@ def test_the_online_cascade_answers_in_time_or_lets_the_student_stand(online, fa
         assert sorted(e.answered_by for e in both) == ["student_teacher_busy", "teacher"]
 
     asyncio.run(run())
+
+
+def test_about_a_share_uses_the_models_own_thresholds():
+    from hllm.model.confidence import CascadeThresholds, Confidence
+
+    table = CascadeThresholds.fit([Confidence(float(m), 0.5, 1.0, 1.0) for m in range(101)], "t")
+    rule = CascadeRule.parse("~25%", "margin", table)
+    assert rule.share is None and rule.threshold == pytest.approx(25.0)
+    notes = [{"qid": f"q{i}", "confidence": {"margin": float(m)}} for i, m in enumerate([1, 30, 60, 90])]
+    assert rule.escalate(notes) == {"q0"}  # each query decided alone: not a quarter of these four by count
+    with pytest.raises(ValueError, match="no cascade.json"):
+        CascadeRule.parse("~25%", "margin", None)
+    with pytest.raises(ValueError, match="~ goes with a share"):
+        CascadeRule.parse("~0.8", "margin", table)
+
+
+@pytest.mark.slow
+def test_hllm_rerank_cascade_with_a_served_teacher(student, teacher_server, fault_proxy, tmp_path, capsys, monkeypatch):
+    from teacher_server import API_KEY, MODEL
+
+    from hllm.data.readers import read_run
+    from pipelines.cli import main
+
+    monkeypatch.setenv("HLLM_TEST_TEACHER_KEY", API_KEY)
+    data = _beir(tmp_path / "beir", queries=4, docs=5)
+    out = tmp_path / "cascade.trec"
+    argv = ["rerank", "--model", str(student), "--data", str(data), "--top-n", "5", "--out", str(out), "--cascade", "50%",
+            "--cascade-url", fault_proxy.url, "--teacher-model", MODEL, "--teacher-api-key-env", "HLLM_TEST_TEACHER_KEY",
+            "--quiet"]
+    fault_proxy.faults.append("500")  # the first teacher request fails once: retried
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    notes = [json.loads(line) for line in (tmp_path / "cascade.trec.queries.jsonl").read_text().splitlines()]
+    assert sorted(n["answered_by"] for n in notes) == ["student", "student", "teacher", "teacher"]
+    assert "cascade: 2 of 4 queries (50%) went to the teacher" in printed and "cascade teacher endpoint: 2 requests (1 retries" in printed
+    assert len(fault_proxy.posts()) == 3 and set(read_run(out)) == {n["qid"] for n in notes}
+    assert API_KEY not in printed
+    assert main(argv) == 0  # a rerun: the student's run resumes, the teacher's answers come from OUT.answers/
+    assert "2 answers from the cache" in capsys.readouterr().out and len(fault_proxy.posts()) == 3

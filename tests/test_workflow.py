@@ -4,6 +4,7 @@ import json
 
 import pyarrow.parquet as pq
 
+from hllm import Reranker
 from hllm.config import load_config
 from hllm.recipes.job import JobConfig
 from hllm.recipes.stages import summary_lines
@@ -31,6 +32,8 @@ def test_job_runs_and_resumes(tmp_path):
     lines = summary_lines(report, "hungarian")
     assert len(lines) == 6 and lines[-1].startswith("relevance_score calibration on 36 test items")
     assert (tmp_path / "student" / "calibration.json").exists() and 0 <= report.calibration["ece"] <= 1
+    thresholds = Reranker.load(tmp_path / "student").cascade_thresholds  # the cascade's, from the val split
+    assert thresholds.fitted_on["source"] == "the job's val split" and thresholds.fitted_on["queries"] > 0
     assert (tmp_path / "report.json").exists() and (tmp_path / "student" / "head.safetensors").exists()
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("stage.json")}
     assert len(stamps) == 5  # teacher, train / val / test rankings, student

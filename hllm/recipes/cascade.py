@@ -39,7 +39,6 @@ class CascadeRule:
     threshold: float | None = None
 
     def __post_init__(self) -> None:
-
         if self.signal not in SIGNALS:
             raise ValueError(f"cascade signal {self.signal!r}: known {list(SIGNALS)}")
         if (self.share is None) == (self.threshold is None):
@@ -48,12 +47,27 @@ class CascadeRule:
             raise ValueError(f"cascade share {self.share}: in (0, 1] (e.g. 25%)")
 
     @classmethod
-    def parse(cls, text: str, signal: str = "margin") -> "CascadeRule":
-        """`25%` -> the least confident quarter; `0.8` -> every query whose signal is below 0.8."""
+    def parse(cls, text: str, signal: str = "margin", thresholds: CascadeThresholds | None = None) -> "CascadeRule":
+        """`25%` -> the least confident quarter of these queries; `~25%` -> those below the model's own threshold for
+        about 25% (`thresholds`, fitted on its training-side queries: each query decided alone, as Serve does);
+        `0.8` -> every query whose signal is below 0.8."""
+        about = text.startswith("~")
         try:
-            return cls(signal, share=float(text[:-1]) / 100) if text.endswith("%") else cls(signal, threshold=float(text))
+            if not text.endswith("%"):
+                if about:
+                    raise ValueError("~ goes with a share")
+                return cls(signal, threshold=float(text))
+            share = float(text.removeprefix("~")[:-1]) / 100
+            rule = cls(signal, share=share)
         except ValueError as err:
-            raise ValueError(f"--cascade {text!r}: a share such as 25% or a threshold such as 0.8 ({err})") from None
+            raise ValueError(f"--cascade {text!r}: a share such as 25%, about a share (~25%, the model's thresholds) or a "
+                             f"threshold such as 0.8 ({err})") from None
+        if not about:
+            return rule
+        if thresholds is None:
+            raise ValueError(f"--cascade {text!r}: this model has no {THRESHOLDS_FILE} (the thresholds fitted on its "
+                             "training queries): give a share of these queries (25%) or a threshold")
+        return cls(signal, threshold=thresholds.threshold(signal, share))
 
     def escalate(self, notes: Sequence[dict[str, Any]]) -> set[str]:
         """The query ids to hand to the teacher."""
@@ -65,8 +79,8 @@ class CascadeRule:
 
 def cascade(student_run: str | Path, notes_path: str | Path, slates: Sequence[RerankRequest], teacher, rule: CascadeRule,
             out: str | Path, tag: str = "hllm-cascade") -> dict[str, Any]:
-    """The student's run, with the queries `rule` escalates ranked by `teacher` (anything with `rank_covered`, e.g.
-    `hllm.teacher.external.FileTeacher`, or `rank`) instead -> `out` (atomically), and the notes rewritten with who
+    """The student's run, with the queries `rule` escalates ranked by `teacher` (any teacher's `rank_summarized`: a
+    rankings file, a job's AR teacher, a served one) instead -> `out` (atomically), and the notes rewritten with who
     answered each query (`student`, `teacher`, or `student_teacher_missing` where the teacher had no ranking).
     -> counts: queries, escalated, answered by the teacher, teacher missing."""
     from hllm.data.readers import read_run
@@ -76,7 +90,7 @@ def cascade(student_run: str | Path, notes_path: str | Path, slates: Sequence[Re
     chosen = rule.escalate(notes)
     by_id = {s.slate_id: s for s in slates}
     escalated = [by_id[q] for q in sorted(chosen)]
-    rankings = teacher.rank(escalated) if escalated else []
+    rankings, figures = teacher.rank_summarized(escalated) if escalated else ([], {})
     teacher_order = {s.slate_id: r.permutation for s, r in zip(escalated, rankings) if r.permutation is not None}
     student = read_run(student_run)
     orders, answered = [], {}
@@ -93,7 +107,7 @@ def cascade(student_run: str | Path, notes_path: str | Path, slates: Sequence[Re
         n["escalated"], n["answered_by"] = n["qid"] in chosen, answered[n["qid"]]
     atomic_write(notes_path, "".join(json.dumps(n) + "\n" for n in notes))
     return {"queries": len(slates), "escalated": len(chosen), "teacher": len(teacher_order),
-            "teacher_missing": len(chosen) - len(teacher_order), "signal": rule.signal}
+            "teacher_missing": len(chosen) - len(teacher_order), "signal": rule.signal, "teacher_figures": figures}
 
 
 def fit_thresholds(reranker, slates: Sequence[RerankRequest], source: str) -> CascadeThresholds:
@@ -101,6 +115,7 @@ def fit_thresholds(reranker, slates: Sequence[RerankRequest], source: str) -> Ca
     quantiles of its confidence on them."""
     from hllm.model.prompts import document_text
 
+    reranker.window = reranker.window or reranker.default_window  # as it serves: longer lists in windows, the top one's confidence
     ranked = reranker.windowed_orders([s.query.text for s in slates], [[document_text(c) for c in s.candidates] for s in slates])
     return CascadeThresholds.fit(ranked.confidence, source)
 

@@ -31,6 +31,7 @@ from hllm.eval.evaluation import (EvalConfig, Means, StudentEval, StudentSums, T
 from hllm.data.progress import Progress
 from hllm.eval.metrics import input_order_values
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_report, calibration_sums, fit_calibrator
+from hllm.model.confidence import CascadeThresholds
 from hllm.recipes.job import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.model.backbones import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
                                   save_backbone, weights_id)
@@ -387,7 +388,21 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
             calibrate_student(out, val.slates, cfg.eval.binary_rel)
         except ValueError as err:  # e.g. a val split without relevant items: said, and scores stay rank-derived
             log.warning("student: not calibrated (%s); relevance_score stays rank-derived", err)
+    if (out / CONFIG_FILE).is_file() and CascadeThresholds.load(out) is None:
+        cascade_thresholds(out, val.slates)
     return out
+
+
+def cascade_thresholds(student_dir: Path, held_out: Sequence[RerankRequest]) -> CascadeThresholds:
+    """The quantiles of the student's confidence on held-out training-side slates (the val split), saved with it: a
+    cascade asks for "about 25%" of traffic without refitting (hllm.recipes.cascade)."""
+    from hllm.recipes.cascade import fit_thresholds
+
+    table = fit_thresholds(Reranker.load(student_dir, merge_lora=True), held_out, "the job's val split")
+    table.save(student_dir)
+    log.info("student: cascade thresholds from %d val slates (margin below %.4g: about 25%% of them)", len(held_out),
+             table.threshold("margin", 0.25))
+    return table
 
 
 def calibrate_student(student_dir: Path, held_out: Sequence[RerankRequest], rel: int) -> Calibrator:
