@@ -438,7 +438,7 @@ class RerankDeployment:
         return escalated(response, body, e), e
 
     def _late(self, task: "asyncio.Task", t_ask: float) -> None:
-        """A teacher answer that missed the deadline, when it comes: its latency, and the breaker learns it is alive."""
+        """A teacher answer that missed the deadline, when it comes: its latency (or its failure's reason) counted."""
         if task.cancelled():
             return
         order, reason = task.result()

@@ -97,6 +97,8 @@ def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(dist
     assert cal["oof"]["items"] == 9 * 8 and card["relevance_score"]["ece_held_out_queries"] == pytest.approx(cal["oof"]["ece"])
     assert cal["trial"] == card["variant"]  # calibrated on the shipped variant's own out-of-fold matrices
     assert cal["cross_year"]["b"]["items"] == 4 * 8
+    thresholds = shipped.cascade_thresholds  # the cascade's, from the same out-of-fold matrices: like unseen traffic
+    assert thresholds.fitted_on["queries"] == 9 and "out of fold" in thresholds.fitted_on["source"]
     provenance = json.loads((tmp_path / "shipped" / "provenance.json").read_text())
     for name, digest in provenance["sha256"].items():  # the shipped files are the ones measured
         assert file_sha256(tmp_path / "shipped" / name) == digest, name

@@ -206,6 +206,24 @@ def test_schema_matches_the_record():
     assert SCHEMA.names == list(TrafficRecord.__dataclass_fields__)
 
 
+def test_a_log_written_before_the_cascade_columns_reads_with_their_defaults(tmp_path):
+    log = TrafficLog(TrafficLogConfig(str(tmp_path), flush_records=100, flush_seconds=60))
+    escalated = record(1)
+    escalated.answered_by, escalated.teacher_order = "teacher", [2, 0, 1]
+    log.append(record(0))
+    log.append(escalated)
+    new = log.flush()
+    log.close()
+    old = new.with_name("part-0000000000001-x-000001.parquet")  # as an earlier version wrote it
+    pq.write_table(pq.read_table(new).drop_columns(["answered_by", "teacher_order"]), old)
+    found = scan(tmp_path)
+    assert sorted(found.files) == sorted([new, old]) and not found.skipped
+    rows = {(p.name, r["request_id"]): r for p in found.files for r in read_log([p])}
+    assert rows[new.name, "r1"]["answered_by"] == "teacher" and rows[new.name, "r1"]["teacher_order"] == [2, 0, 1]
+    assert rows[new.name, "r0"]["answered_by"] == "student" and rows[new.name, "r0"]["teacher_order"] == []
+    assert rows[old.name, "r1"]["answered_by"] == "student" and list(rows[old.name, "r1"]["teacher_order"]) == []
+
+
 def test_the_champion_must_be_a_registry_alias():
     for wrong in ("runs/default/student", "models:/hllm-student/3", "models:/@champion"):
         with pytest.raises(ValueError, match="models:/NAME@ALIAS"):

@@ -47,6 +47,7 @@ from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, kendall_tau
 from hllm.model.backbones import ModelConfig, file_sha256
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_sums, fit_calibrator
+from hllm.model.confidence import CascadeThresholds, confidence
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS, Pooling
 from hllm.model.prompts import PromptConfig
@@ -366,6 +367,14 @@ def per_query(slates: list[RerankRequest], orders: list[list[int]], rel: int) ->
     return ir_metrics_by_query(slates, orders, names)
 
 
+def oof_thresholds(folds: dict[str, Any], trial: str, collection: str) -> CascadeThresholds:
+    """The cascade's thresholds for the student `trial` ships: its confidence on each query scored by the trial
+    fitted on the other folds (a head that never saw the query: like traffic, not like its training queries)."""
+    mats, perms = folds["trial_matrices"][trial], folds["trial_orders"][trial]
+    return CascadeThresholds.fit([confidence(m, np.array(o)) for m, o in zip(mats, perms)],
+                                 f"{collection}, out of fold ({len(mats)} queries, each scored by the heads of the other teacher-folds)")
+
+
 def share_kept(student: np.ndarray, first: np.ndarray, teacher: np.ndarray, resamples: int, seed: int) -> dict[str, float]:
     """(student - first) / (teacher - first) on the means over queries, with a 95% percentile
     bootstrap interval over queries (scipy.stats.bootstrap, the queries resampled in pairs)."""
@@ -428,9 +437,10 @@ def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query],
 
 
 def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict[str, Any], coverage: dict,
-         calibrator: Calibrator, calibrated: dict[str, Any]) -> dict[str, Any]:
+         calibrator: Calibrator, calibrated: dict[str, Any], thresholds: CascadeThresholds) -> dict[str, Any]:
     """The first teacher's distilled student (the trial its CV chose, fitted on every query) saved to
-    `ship_to` with its calibration (`relevance_score`) and a model card that names the teacher and the data."""
+    `ship_to` with its calibration (`relevance_score`), its cascade thresholds and a model card that names the
+    teacher and the data."""
     teacher = cfg.teachers[0]
     trial = everything["chosen"][f"student_distilled@{teacher.name}"]
     rcfg, weights = everything["heads"][trial]
@@ -439,6 +449,7 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
     target = Path(cfg.ship_to)
     ranker.save(target)
     calibrator.save(target)
+    thresholds.save(target)
     cv = everything["cv"][trial]
     card = {
         "base_model": f"{rcfg.model.preset} (frozen, cut after decoder layer {rcfg.state_layer})",
@@ -491,7 +502,8 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
               "cross_year": {k: v for k, v in everything.items() if k not in ("heads", "matrices", "orders")},
               "calibration": calibrated}
     if cfg.ship_to:
-        report["shipped"] = ship(cfg, everything, summary, coverage, calibrator, calibrated)
+        report["shipped"] = ship(cfg, everything, summary, coverage, calibrator, calibrated,
+                                 oof_thresholds(folds, shipped, Path(cfg.collection).name))
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
 
