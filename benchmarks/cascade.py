@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from hllm.data.readers import read_slates  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
-from hllm.model.confidence import confidence  # noqa: E402
-from hllm.model.ranker import SinglePassRanker  # noqa: E402
+from hllm.model.confidence import THRESHOLDS_FILE, CascadeThresholds, confidence  # noqa: E402
+from hllm.model.ranker import SinglePassRanker, record_in_provenance  # noqa: E402
 from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, per_query, teacher_grades  # noqa: E402
 from hllm.teacher.external import external_rankings  # noqa: E402
 from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates  # noqa: E402
@@ -73,6 +73,40 @@ def predicted_gains(model, slates, states, targets, teacher: np.ndarray, ndcg_of
     """Per query, out of fold: the teacher's gain over the student as a ridge regression on `features` predicts it,
     fitted on the fold's training queries alone — their own out-of-fold students (an inner 5-fold CV by another
     hash) against the teacher on their qrels. The test queries' qrels are never read."""
+    return predicted(model, slates, states, targets, folds, lambda train, sub, orders: teacher[train] - ndcg_of(sub, orders), lam)
+
+
+def top10_change(a: list[int], b: list[int]) -> float:
+    """The share of `a`'s top 10 that `b` does not have in its top 10."""
+    return 1 - len(set(a[:10]) & set(b[:10])) / min(10, len(a))
+
+
+def predicted_change(model, slates, states, targets, perms, folds) -> np.ndarray:
+    """Ablation: the same predictor fitted to how much the teacher would change the student's top 10 on each training
+    query (no qrels needed: every teacher-labelled query is a label)."""
+    return predicted(model, slates, states, targets, folds,
+                     lambda train, sub, orders: np.array([top10_change(o, perms[i]) for o, i in zip(orders, train)]))
+
+
+def committee(model, slates, states, targets, orders, folds, bags: int = 12, seed: int = 0) -> np.ndarray:
+    """Ablation: per query, out of fold, the mean share of its top 10 that probes fitted on `bags` bootstrap resamples of
+    the fold's training queries also put in their top 10 (query-by-committee; higher = surer)."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros(len(slates))
+    for train, test in folds:
+        bagged = []
+        for _ in range(bags):
+            pick = rng.choice(train, len(train), replace=True)
+            SHIPPED.fit(model, [StateSlate(slates[i], states[i], None, targets[i]) for i in pick])
+            bagged.append(decode_orders(score_state_slates(model, [StateSlate(slates[i], states[i]) for i in test])))
+        for j, i in enumerate(test):
+            out[i] = 1 - np.mean([top10_change(orders[i], b[j]) for b in bagged])
+    return out
+
+
+def predicted(model, slates, states, targets, folds, target, lam: float = 1.0) -> np.ndarray:
+    """Per query, out of fold: `target(train indices, their slates, their inner out-of-fold orders)` as a ridge
+    regression on `features` predicts it, fitted on the fold's training queries alone."""
     out = np.zeros(len(slates))
     outer, _ = out_of_fold(model, slates, states, targets, folds)  # the test queries' matrices, as the cascade ranks them
     for train, test in folds:
@@ -80,7 +114,7 @@ def predicted_gains(model, slates, states, targets, teacher: np.ndarray, ndcg_of
         inner = query_folds(len(sub), [s.slate_id for s in sub], 5, "cascade-inner/")
         mats, orders = out_of_fold(model, sub, [states[i] for i in train], [targets[i] for i in train], inner)
         x = np.stack([features(sl, m, o) for sl, m, o in zip(sub, mats, orders)])  # (Q, F)
-        y = teacher[train] - ndcg_of(sub, orders)  # (Q,) the teacher's gain on each training query
+        y = target(train, sub, orders)  # (Q,) e.g. the teacher's gain on each training query
         mu, sd = x.mean(0), x.std(0) + 1e-9
         xn = (x - mu) / sd
         w = np.linalg.solve(xn.T @ xn + lam * np.eye(xn.shape[1]), xn.T @ (y - y.mean()))
@@ -142,6 +176,9 @@ def main() -> None:
     parser.add_argument("--data", default=str(DL19))
     parser.add_argument("--states", default="runs/cascade/states")
     parser.add_argument("--reports", default=str(ROOT / "reports"))
+    parser.add_argument("--ship-thresholds", metavar="DIR", help="write the distilled -> RankVicuna student's out-of-fold "
+                        "confidence quantiles there as its cascade.json (the shipped smollm2-dl19-rankvicuna's, as "
+                        "`hllm distilltext` writes them when it ships)")
     args = parser.parse_args()
     import torch
 
@@ -171,17 +208,26 @@ def main() -> None:
                 continue
             matrices, orders = out_of_fold(model, slates, states, targets, folds)
             student = ndcg(orders)
+            if args.ship_thresholds and student_name == "distilled" and tname == "rankvicuna-7b":
+                table = CascadeThresholds.fit([confidence(m, np.array(o)) for m, o in zip(matrices, orders)],
+                                              f"{data.name}, out of fold ({len(orders)} queries, each scored by the heads of the other teacher-folds)")
+                print(f"wrote {table.save(args.ship_thresholds)}", flush=True)
+                record_in_provenance(args.ship_thresholds, THRESHOLDS_FILE, "python benchmarks/cascade.py --ship-thresholds")
             conf = {sig: np.array([confidence(m, np.array(o), None, 10).value(sig) for m, o in zip(matrices, orders)])
                     for sig in SIGNALS_USED}
             # the predictor: escalate where the predicted gain is largest (as a "confidence", its negative)
             conf["predictor"] = -predicted_gains(model, slates, states, targets, teacher, ndcg_of, folds)
+            if student_name == "distilled":  # ablations, tried after the first results were seen: reported, not chosen
+                conf["committee*"] = committee(model, slates, states, targets, orders, folds)
+                conf["predicted change*"] = -predicted_change(model, slates, states, targets, perms, folds)
+                conf["teacher's change (bound)*"] = -np.array([top10_change(o, p) for o, p in zip(orders, perms)])
             gap = teacher - student
             table = curves(student, teacher, conf)
             key = f"{student_name} / {tname}"
             results[key] = {"first": float(first.mean()), "student": float(student.mean()), "teacher": float(teacher.mean()),
                             "curves": table, "signals": {s: {"spearman_vs_gap": spearman(conf[s], gap),
                                                               "auc_teacher_gains": auc(-conf[s], gap >= 0.05)} for s in conf}}
-            best = max(conf, key=lambda s: table[s][0.25]["nDCG@10"])
+            best = max((s for s in conf if not s.endswith("*")), key=lambda s: table[s][0.25]["nDCG@10"])  # no ablation
             if student_name == "distilled" and tname == "rankvicuna-7b":
                 lines.append(f"gap recovered at 25%: {table['margin'][0.25]['recovered']:.2f} (random "
                              f"{table['random'][0.25]['recovered']:.2f}, oracle {table['oracle'][0.25]['recovered']:.2f})")
@@ -216,7 +262,12 @@ def write(reports: Path, results: dict, lines: list[str], rows: list[list]) -> N
     md = ["`python benchmarks/cascade.py`, one run (closed-form fits: no seeds). DL19, 43 queries, each tested once out "
           "of fold (5 teacher-folds by query hash); BM25 top 100; nDCG@10 means over the 43 queries, 95% bootstrap "
           "intervals over queries; escalation ranks the 43 out-of-fold queries by the signal alone.", "", *lines, "",
-          "![cascade curves](cascade.png)", "", "What the figures say and what limits them: docs/real-text.md, \"The cascade on "
+          "![cascade curves](cascade.png)", "", "\\* ablations, tried after the first results were seen (reported, not "
+          "chosen): `committee*`, the agreement of 12 probes fitted on bootstrap resamples of each fold's training queries "
+          "(query-by-committee); `predicted change*`, the predictor fitted to how much the teacher changes the student's "
+          "top 10 on training queries (no qrels needed); `teacher's change (bound)*`, that change itself — it needs the "
+          "teacher's answer, so no cascade can have it: it bounds what *any* predictor of \"the teacher would change this "
+          "ranking\" can recover.", "", "What the figures say and what limits them: docs/real-text.md, \"The cascade on "
           "real text\".", ""]
     for k, r in results.items():
         md += [f"### {k}", "", f"BM25 {r['first']:.4f}, student {r['student']:.4f}, teacher {r['teacher']:.4f}.", "",

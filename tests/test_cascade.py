@@ -130,6 +130,7 @@ def test_the_cascade_benchmarks_curves_bracket_random_and_oracle():
     assert table["random"][0.25]["recovered"] == pytest.approx(0.25, abs=0.1)
     assert bench.auc(np.array([3.0, 2.0, 1.0, 0.0]), np.array([True, True, False, False])) == 1.0
     assert bench.auc(np.array([1.0, 1.0]), np.array([True, False])) == 0.5
+    assert bench.top10_change(list(range(20)), list(range(5, 25))) == 0.5 and bench.top10_change([1, 2], [2, 1]) == 0.0
 
 
 # ---- thresholds kept with the model, the circuit breaker, the online cascade ----------------------------------

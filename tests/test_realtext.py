@@ -51,7 +51,8 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
     assert shipped.default_window == 10 and len(shipped.model.body.layers) == 1
     assert json.loads((tmp_path / "shipped" / "model_card.json").read_text())["window"] == 10
     provenance = json.loads((tmp_path / "shipped" / "provenance.json").read_text())
-    assert set(provenance["sha256"]) == {"head.safetensors", "hllm_ranker.json"} and provenance["recipe"]["fit"] == fit
+    assert set(provenance["sha256"]) == {"head.safetensors", "hllm_ranker.json", "cascade.json"} and provenance["recipe"]["fit"] == fit
+    assert "in sample" in shipped.cascade_thresholds.fitted_on["source"]  # its confidence on the queries it was fitted on
     capsys.readouterr()
     metrics = tmp_path / "m.json"
     assert cli(["rerank", "--model", str(tmp_path / "shipped"), "--data", str(tmp_path / "c"),

@@ -59,6 +59,16 @@ def write_provenance(directory: str | Path, model: ModelConfig, made_by: str, re
     (target / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
+def record_in_provenance(directory: str | Path, name: str, made_by: str) -> None:
+    """A file added to a shipped student after its recipe ran (e.g. its cascade thresholds): its hash joins
+    `provenance.json`'s, with what wrote it."""
+    path = Path(directory) / PROVENANCE
+    provenance = json.loads(path.read_text())
+    provenance["sha256"][name] = file_sha256(Path(directory) / name)
+    provenance.setdefault("added", {})[name] = made_by
+    path.write_text(json.dumps(provenance, indent=2) + "\n")
+
+
 def read_model_card(directory: str | Path) -> dict:
     """The saved card, or what the model's own config tells (base model, K, prompt) for one without."""
     path = Path(directory) / CARD_FILE

@@ -9,8 +9,9 @@ a request whose confidence is below the threshold, within a deadline. Past the d
 the replica's teacher slots are full or while the circuit breaker is open, the student's answer stands: a teacher
 outage never fails a request. `Escalation.answered_by` says which happened (`ANSWERED_BY`).
 
-Thresholds: `CascadeThresholds` keeps each signal's quantiles over the queries a model was fitted on, in the model's
-folder (`cascade.json`), so "about 25% of traffic" is one lookup (`threshold(signal, 0.25)`), not a refit.
+Thresholds: `CascadeThresholds` keeps each signal's quantiles over training-side queries (a job's val split, out-of-fold
+queries, or those the model was fitted on), in the model's folder (`cascade.json`), so "about 25% of traffic" is one
+lookup (`threshold(signal, 0.25)`), not a refit.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def cascade(student_run: str | Path, notes_path: str | Path, slates: Sequence[Re
 
 def fit_thresholds(reranker, slates: Sequence[RerankRequest], source: str) -> CascadeThresholds:
     """A loaded `hllm.Reranker` ranks `slates` (its training or validation queries; never test ones) -> the
-    quantiles of its confidence on them."""
+    quantiles of its confidence on them. A reranker without a window gets its default one (as Serve ranks)."""
     from hllm.model.prompts import document_text
 
     reranker.window = reranker.window or reranker.default_window  # as it serves: longer lists in windows, the top one's confidence

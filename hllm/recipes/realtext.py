@@ -44,13 +44,14 @@ from hllm.data.splits import query_bucket
 from hllm.eval.evaluation import first_stage_order, quality
 from hllm.eval.runfile import relevance_threshold
 from hllm.model.backbones import ModelConfig
+from hllm.model.confidence import CascadeThresholds
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
 from hllm.model.ranker import write_provenance as ranker_provenance
 from hllm.recipes.job import recipe_config, start_recipe
 from hllm.records import RerankRequest
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, guarded_orders
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, guarded_orders, state_confidence
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_states, states_key
 
@@ -292,6 +293,7 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
     target = Path(cfg.ship_to)
     ranker.cfg = dataclasses.replace(ranker.cfg, window=cfg.top_n)
     ranker.save(target)
+    in_sample_thresholds(ranker, items, [collection_name(p) for p in cfg.ship_on]).save(target)
     transfer = []
     for path in cfg.transfer:
         t_items = data.items(path, transfer=True)
@@ -326,6 +328,12 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
     })
     write_provenance(cfg, target, record, transfer)
     return record, transfer
+
+
+def in_sample_thresholds(ranker: SinglePassRanker, items: list[StateSlate], collections: list[str]) -> CascadeThresholds:
+    """The cascade's thresholds of a student fitted on `items`: its confidence on those very queries. In sample it
+    is surer than on new queries, so a share asked of it escalates more of new traffic than that share."""
+    return CascadeThresholds.fit(state_confidence(ranker, items), f"{' + '.join(collections)}: the queries it was fitted on (in sample)")
 
 
 def write_provenance(cfg: RealTextConfig, target: Path, record: dict[str, Any], transfer: list[dict[str, Any]]) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from hllm.data.splits import query_bucket
 from hllm.eval.evaluation import quality
+from hllm.model.confidence import Confidence, confidence
 from hllm.model.decoding import DECODERS
 from hllm.model.heads import within_support
 from hllm.model.ranker import SinglePassRanker
@@ -317,13 +318,26 @@ def supported(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> np.ndarr
     return np.array([guard.supports(b) for b in doc_budgets(ranker, items)])
 
 
-def guarded_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder: str = "hungarian") -> list[list[int]]:
-    """`state_orders` as `Reranker.score_with_trust` ranks: each matrix through `within_support` (a slate outside
-    the guard's support is scored by the prior alone: its input order)."""
+def guarded_matrices(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> list[np.ndarray]:
+    """`score_state_slates` as `Reranker.score_with_trust` scores: each matrix through `within_support` (a slate
+    outside the guard's support is scored by the prior alone: its input order)."""
     matrices = score_state_slates(ranker, items)
     if getattr(ranker.head, "guard", None) is not None:
         matrices = [within_support(ranker.head, m, b)[0] for m, b in zip(matrices, doc_budgets(ranker, items))]
-    return decode_orders(matrices, decoder)
+    return matrices
+
+
+def guarded_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder: str = "hungarian") -> list[list[int]]:
+    """Each slate's order as `Reranker` ranks it (`guarded_matrices`, decoded)."""
+    return decode_orders(guarded_matrices(ranker, items), decoder)
+
+
+def state_confidence(ranker: SinglePassRanker, items: Sequence[StateSlate]) -> list[Confidence]:
+    """Each slate's confidence as `Reranker.rank_assessed` reads it, from cached states: the guarded matrix, its
+    order, the guard's trust (none without a guard)."""
+    matrices = guarded_matrices(ranker, items)
+    trust = guard_trust(ranker, items) if getattr(ranker.head, "guard", None) is not None else [None] * len(items)
+    return [confidence(m, np.array(o), None if t is None else float(t)) for m, o, t in zip(matrices, decode_orders(matrices), trust)]
 
 
 @torch.no_grad()
