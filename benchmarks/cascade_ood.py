@@ -1,6 +1,6 @@
 """Out of domain, the cascade's confidence must read "unsure": with no teacher, its fallback is the first stage.
 
-    python benchmarks/cascade_ood.py [--states runs/cascade_ood/states] [--split test|rest] [--queries 100]
+    python benchmarks/cascade_ood.py [--states runs/cascade_ood/states] [--split test|rest] [--queries 100] [--ship-thresholds]
 
 The shipped, guarded `smollm2-trec-dl` (judgment-fitted on TREC DL19 + DL21, a domain guard) on collections it never
 saw — ArguAna and Cranfield, the queries `hllm realtext` checked it on (`transfer-test`: the hashed test split,
@@ -11,7 +11,7 @@ fitted on, or chosen after looking at, the transfer collections. Per collection:
 flags (below the threshold), and nDCG@10 of the first stage, the student alone (guard suspended), the guard (the
 shipped model), and the confidence-gated fallback (the guard's ranking, the first-stage order where flagged).
 Goal: gated >= first stage - 0.005 on both. States are computed once into `--states` (~14 s a query on 2 cores).
-Writes reports/cascade_ood.md and the `cascade-ood-*` rows of reports/real_data.csv.
+Writes reports/cascade_ood_<split>.md and its `cascade-ood *` rows of reports/real_data.csv.
 """
 
 from __future__ import annotations
