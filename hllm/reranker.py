@@ -170,7 +170,7 @@ class Reranker:
         self.window, self.stride, self.windowing = window, stride, windowing
         self.card: dict = {}  # what the model knows (`Reranker.load` reads the saved model card)
         self.calibrator: Calibrator | None = None  # P(relevant) from the matrix (`Reranker.load` reads calibration.json)
-        # its confidence's quantiles on the queries it was fitted on: a cascade's threshold for a share of traffic (cascade.json)
+        # its confidence's quantiles on training-side queries: a cascade's threshold for a share of traffic (cascade.json)
         self.cascade_thresholds: CascadeThresholds | None = None
 
     @classmethod

@@ -95,7 +95,7 @@ GRID = np.linspace(0.0, 1.0, 101)  # shares 0%, 1%, ..., 100%
 
 @dataclass(frozen=True)
 class CascadeThresholds:
-    """Each signal's quantiles over the queries a model was fitted on: `threshold(signal, share)` is the value
+    """Each signal's quantiles over a model's training-side queries: `threshold(signal, share)` is the value
     below which that share of those queries fell, so escalating below it sends about `share` of like traffic."""
 
     quantiles: dict[str, list[float]]  # signal -> its value at each share of GRID
