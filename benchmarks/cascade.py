@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from hllm.data.readers import read_slates  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
-from hllm.model.confidence import THRESHOLDS_FILE, CascadeThresholds, confidence  # noqa: E402
+from hllm.model.confidence import THRESHOLDS_FILE, confidence  # noqa: E402
 from hllm.model.ranker import SinglePassRanker, record_in_provenance  # noqa: E402
-from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, per_query, teacher_grades  # noqa: E402
+from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, oof_thresholds, per_query, teacher_grades  # noqa: E402
 from hllm.teacher.external import external_rankings  # noqa: E402
 from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates  # noqa: E402
 from hllm.train.state_cache import cached_states  # noqa: E402
@@ -209,8 +209,7 @@ def main() -> None:
             matrices, orders = out_of_fold(model, slates, states, targets, folds)
             student = ndcg(orders)
             if args.ship_thresholds and student_name == "distilled" and tname == "rankvicuna-7b":
-                table = CascadeThresholds.fit([confidence(m, np.array(o)) for m, o in zip(matrices, orders)],
-                                              f"{data.name}, out of fold ({len(orders)} queries, each scored by the heads of the other teacher-folds)")
+                table = oof_thresholds(matrices, orders, data.name)  # as `hllm distilltext` ships them
                 print(f"wrote {table.save(args.ship_thresholds)}", flush=True)
                 record_in_provenance(args.ship_thresholds, THRESHOLDS_FILE, "python benchmarks/cascade.py --ship-thresholds")
             conf = {sig: np.array([confidence(m, np.array(o), None, 10).value(sig) for m, o in zip(matrices, orders)])

@@ -367,12 +367,11 @@ def per_query(slates: list[RerankRequest], orders: list[list[int]], rel: int) ->
     return ir_metrics_by_query(slates, orders, names)
 
 
-def oof_thresholds(folds: dict[str, Any], trial: str, collection: str) -> CascadeThresholds:
-    """The cascade's thresholds for the student `trial` ships: its confidence on each query scored by the trial
-    fitted on the other folds (a head that never saw the query: like traffic, not like its training queries)."""
-    mats, perms = folds["trial_matrices"][trial], folds["trial_orders"][trial]
-    return CascadeThresholds.fit([confidence(m, np.array(o)) for m, o in zip(mats, perms)],
-                                 f"{collection}, out of fold ({len(mats)} queries, each scored by the heads of the other teacher-folds)")
+def oof_thresholds(matrices: list[np.ndarray], orders: list[list[int]], collection: str) -> CascadeThresholds:
+    """The cascade's thresholds of a shipped student from its out-of-fold matrices and orders: each query scored by a
+    head fitted on the other folds (one that never saw it: like traffic, not like its training queries)."""
+    return CascadeThresholds.fit([confidence(m, np.array(o)) for m, o in zip(matrices, orders)],
+                                 f"{collection}, out of fold ({len(matrices)} queries, each scored by the heads of the other teacher-folds)")
 
 
 def share_kept(student: np.ndarray, first: np.ndarray, teacher: np.ndarray, resamples: int, seed: int) -> dict[str, float]:
@@ -503,7 +502,8 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
               "calibration": calibrated}
     if cfg.ship_to:
         report["shipped"] = ship(cfg, everything, summary, coverage, calibrator, calibrated,
-                                 oof_thresholds(folds, shipped, Path(cfg.collection).name))
+                                 oof_thresholds(folds["trial_matrices"][shipped], folds["trial_orders"][shipped],
+                                                Path(cfg.collection).name))
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
 
