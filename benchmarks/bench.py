@@ -5,6 +5,7 @@ Scripts run as `python benchmarks/<name>.py`, which puts this folder on sys.path
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -30,3 +31,17 @@ def write_report(name: str, title: str, text: str, path: str | Path | None = Non
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# {title}\n\n{text.rstrip()}\n")
     return path
+
+
+def post_all(url: str, bodies: list[dict], timeout: float = 120, session=None) -> list[float]:
+    """Each body POSTed in turn over one keep-alive session (`session`, or a new one; sequential: no request waits on
+    another) -> ms each."""
+    import requests
+
+    session, ms = session or requests.Session(), []
+    for body in bodies:
+        t0 = time.perf_counter()
+        r = session.post(url, json=body, timeout=timeout)
+        r.raise_for_status()
+        ms.append(1000 * (time.perf_counter() - t0))
+    return ms

@@ -42,18 +42,6 @@ def shifted_traffic(n: int, seed: int):
     return out
 
 
-def post_all(url: str, bodies: list[dict]) -> list[float]:
-    import requests
-
-    session, ms = requests.Session(), []
-    for body in bodies:
-        t0 = time.perf_counter()
-        r = session.post(url, json=body, timeout=60)
-        r.raise_for_status()
-        ms.append(1000 * (time.perf_counter() - t0))
-    return ms
-
-
 def true_label_figures(record: dict, truth: dict) -> dict[str, float]:
     """nDCG@10 with the generator's labels on the cycle's held-out traffic, for the teacher (its
     rankings in the store), the new first stage, champion and challenger (their orders as the cycle
@@ -88,7 +76,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from bench import local_ray, write_report  # benchmarks/ is on sys.path when run as a script
+    from bench import local_ray, post_all, write_report  # benchmarks/ is on sys.path when run as a script
     from hllm.config import load_config
     from hllm.data.traffic import request_key
     from pipelines import refresh

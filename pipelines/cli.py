@@ -227,6 +227,23 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollout_status(args: argparse.Namespace) -> int:
+    """The rollout's decisions, from its log (rollout.log_path) or a running app (GET /v1/rollout)."""
+    from hllm.recipes.rollout import Decision, read_decisions, status_table
+
+    if args.url:
+        import urllib.request
+
+        with urllib.request.urlopen(args.url.rstrip("/") + "/v1/rollout", timeout=30) as r:
+            decisions = [Decision(**d) for d in json.load(r)["decisions"]]
+    else:
+        if not Path(args.log).is_file():
+            raise FileNotFoundError(f"no rollout log at {args.log} (serve with args.rollout.log_path={args.log})")
+        decisions = read_decisions(args.log)
+    print(status_table(decisions))
+    return 0
+
+
 def cmd_export_teacher(args: argparse.Namespace) -> int:
     from hllm.model.backbones import EMBEDDED_TEACHER
     from hllm.recipes.stages import export_teacher
@@ -378,6 +395,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI)")
     p.set_defaults(func=cmd_promote)
 
+    o = sub.add_parser("rollout", help="a many-student app's rollouts (shadow, canary, promotion, rollback)")
+    osub = o.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
+    st = osub.add_parser("status", help="every decision as a row, and where each candidate stands", formatter_class=fmt,
+                         description="Reads the rollout log (serve args.rollout.log_path: one JSON line per decision) "
+                         "or asks a running app (GET /v1/rollout). See docs/rollout.md.")
+    st.add_argument("--log", default="runs/rollout.jsonl", help="the rollout log")
+    st.add_argument("--url", help="a running app instead, e.g. http://127.0.0.1:8000")
+    st.set_defaults(func=cmd_rollout_status)
+
     x = sub.add_parser("export-teacher", help="a job's bootstrapped teacher -> the shipped embedded teacher",
                        formatter_class=fmt, description="Copies RUN_DIR/teacher/model (a job run with "
                        "teacher.bootstrap=true, e.g. configs/embedded-teacher.yaml) to the folder preset 'embedded' "
@@ -424,6 +450,15 @@ def quiet_libraries() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    import logging
+
+    loads = logging.getLogger("hllm.model.backbones")  # one line per model loaded (what, how long) instead of bars
+    if not loads.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        loads.addHandler(handler)
+        loads.setLevel(logging.INFO)
+        loads.propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

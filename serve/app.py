@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 from ray import serve
 from ray.serve import Application
 
@@ -34,6 +34,7 @@ from hllm.data.traffic import TrafficLogConfig
 from hllm.model.confidence import Confidence, confidence
 from hllm.model.prompts import EncodedPrompt
 from hllm.recipes.cascade import CascadeConfig, Escalation, OnlineCascade
+from hllm.recipes.rollout import RolloutConfig
 from hllm.reranker import UNKNOWN_TOKEN_WARNING, registry_alias, vocabulary_warning
 from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult, ResultDocument,
                            Usage, ValidationErrorBody)
@@ -93,7 +94,14 @@ api = FastAPI(title="hLLM rerank", version="1", description="Single-pass generat
 class AppArgs(BaseModel):
     """Arguments of the application builder (from `serve run/deploy` YAML or code)."""
 
-    model: str  # a student folder, or a model URI: runs:/RUN_ID/student, models:/NAME@ALIAS
+    model: str | None = None  # a student folder, or a model URI: runs:/RUN_ID/student, models:/NAME@ALIAS
+    # many students behind one endpoint instead (serve.students): short name -> a model as above; a request's `model`
+    # names one (or NAME@ALIAS / NAME/VERSION of a registered model among them); absent: `default_student`
+    students: dict[str, str] | None = None
+    default_student: str | None = None  # None: the first of `students`
+    max_models_per_replica: int = 3  # students a replica holds at once, least recently used evicted
+    # shadow and canary of a candidate student beside the default one (hllm.recipes.rollout; docs/rollout.md)
+    rollout: RolloutConfig | None = None
     tracking_uri: str | None = None  # MLflow, for model URIs (default: MLFLOW_TRACKING_URI)
     model_name: str = "hllm-student"
     decoder: str = "hungarian"
@@ -122,6 +130,18 @@ class AppArgs(BaseModel):
     # opt-in: the online cascade (hllm.recipes.cascade): a request whose confidence is below the threshold is answered
     # by a served AR teacher within `deadline_ms`, else by the student; meta.answered_by says which
     cascade: CascadeConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_kind_of_app(self) -> "AppArgs":
+        if (self.model is None) == (self.students is None):
+            raise ValueError("give `model` (one student) or `students` (many behind one endpoint), one of them")
+        if self.students is None and (self.rollout is not None or self.default_student is not None):
+            raise ValueError("`rollout` and `default_student` go with `students` (a many-student app)")
+        if self.students is not None and self.cascade is not None:
+            raise ValueError("the online cascade serves one student (`model`); a many-student app has none yet")
+        if self.students is not None and self.max_models_per_replica < 1:
+            raise ValueError("max_models_per_replica: at least 1")
+        return self
 
 
 @dataclass(frozen=True)
@@ -323,36 +343,36 @@ class RerankMetrics:
             self.batch.observe(batch)
 
 
-@serve.deployment(name="Reranker", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16)
-@serve.ingress(api)
-class RerankDeployment:
-    """A replica wraps one `hllm.Reranker`: encode per request, one batched forward pass, decode."""
-
-    def __init__(self, args: dict):
+def replica_args(args: dict, threads: bool = True) -> AppArgs:
+    """A replica's args, parsed, with what they set for the process: torch's threads (`threads`: a replica that runs
+    models) and MLflow's tracking URI (where `models:/` and `runs:/` resolve)."""
+    parsed = AppArgs(**args)
+    if threads and parsed.threads:
         import torch
 
+        torch.set_num_threads(parsed.threads)
+    if parsed.tracking_uri:
+        os.environ["MLFLOW_TRACKING_URI"] = parsed.tracking_uri
+    return parsed
 
-        self.args = AppArgs(**args)
-        if self.args.threads:
-            torch.set_num_threads(self.args.threads)
-        if self.args.tracking_uri:
-            os.environ["MLFLOW_TRACKING_URI"] = self.args.tracking_uri
-        self.cascade = OnlineCascade(self.args.cascade) if self.args.cascade is not None else None
-        self._opens_counted = 0  # the breaker's openings already counted in Prometheus
-        self.served = self._load(pinned_model(self.args.model))
-        api.state.max_body_bytes = self.args.max_body_bytes
-        api.state.max_documents = self.args.max_documents
-        self.metrics = RerankMetrics()
-        self.traffic = None
-        if self.args.traffic_log is not None:
-            from hllm.data.traffic import TrafficLog
 
-            self.traffic = TrafficLog(self.args.traffic_log, cut=lambda docs: self.served.reranker.cut_documents(docs),
-                                      writer=_replica_name())
-        if self.args.alias_poll_s and registry_alias(self.args.model):
-            threading.Thread(target=self._watch_alias, name="hllm-alias-watch", daemon=True).start()
+@dataclass(frozen=True)
+class Failure:
+    """A request the model side refused (an HTTP status and its message): crosses a handle as plain data."""
 
-    def _load(self, uri: str) -> "Served":
+    status: int
+    message: str
+
+
+class Answerer:
+    """A replica's answering core, shared by the one-student app (`RerankDeployment`) and the many-student one
+    (`serve.students.Students`): load a student, encode per request, one batched forward pass per model, decode."""
+
+    def __init__(self, args: AppArgs, cascade: OnlineCascade | None = None):
+        self.args, self.cascade = args, cascade
+        self.waiting = 0  # requests between their prompt and their matrix (alone or in `score`'s queue)
+
+    def load(self, uri: str) -> Served:
         from hllm import Reranker
 
         reranker = Reranker.load(uri, device=self.args.device, merge_lora=self.args.merge_lora, decoder=self.args.decoder,
@@ -361,121 +381,59 @@ class RerankDeployment:
         threshold = None if self.cascade is None else self.cascade.threshold_for(reranker.cascade_thresholds)
         return Served(reranker, model_id(uri), reranker.model_key, threshold)
 
-    def _watch_alias(self) -> None:
-        """Resolves `models:/NAME@ALIAS` every `alias_poll_s`; a new version is loaded here, off the
-        request path, then swapped in with one assignment: requests in flight finish on the version
-        they started with. A registry that cannot be reached leaves the serving version (counted)."""
-        while True:
-            time.sleep(self.args.alias_poll_s)
-            try:
-                uri = pinned_model(self.args.model)
-                if model_id(uri) != self.served.model_id:
-                    self.served = self._load(uri)
-                    self.metrics.swaps.inc(tags={"outcome": "swapped"})
-                    logger.info("serving %s (alias %s moved)", uri, self.args.model)
-            except Exception as err:  # noqa: BLE001 (registry down, a bad version: keep serving, count, say)
-                self.metrics.swaps.inc(tags={"outcome": "failed"})
-                logger.warning("could not follow %s: %s; still serving %s", self.args.model, err, self.served.model_id)
-
-    @property
-    def reranker(self):
-        return self.served.reranker
-
-    def __del__(self):
-        """Serve's graceful shutdown: the traffic log's buffer is written out."""
-        if getattr(self, "traffic", None) is not None:
-            self.traffic.close()
-
     def reconfigure(self, user_config: dict) -> None:
         """`user_config: {max_batch_size, batch_wait_timeout_s}` tunes batching without a restart."""
-        self._score.set_max_batch_size(int(user_config.get("max_batch_size", 8)))
-        self._score.set_batch_wait_timeout_s(float(user_config.get("batch_wait_timeout_s", 0.0)))
+        self.score.set_max_batch_size(int(user_config.get("max_batch_size", 8)))
+        self.score.set_batch_wait_timeout_s(float(user_config.get("batch_wait_timeout_s", 0.0)))
 
     # no batch wait by default: a lone request is not held back for company (-5 ms p50 sequential),
     # and at concurrency 8 batches still form from the queue (same req/s: reports/serve_load.md)
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.0)
-    async def _score(self, items: list[tuple["Served", EncodedPrompt]]) -> list[tuple[np.ndarray, float | None, int, float]]:
-        """(the model a request started with, its prompt) -> its matrix and the model's trust in it: one forward
-        pass per model (two only while a swap is under way)."""
-        t0 = time.perf_counter()
+    async def score(self, items: list[tuple["Served", EncodedPrompt]]) -> list[tuple[np.ndarray, float | None, int, float]]:
+        """(the model a request started with, its prompt) -> its matrix, the model's trust in it, the batch's size and
+        the ms of its model's forward pass: one pass per model in the batch (two only while a swap is under way, or
+        one per student a replica serves): a batch never mixes models."""
         scored: list = [None] * len(items)
         for served in {id(s): s for s, _ in items}.values():
             mine = [i for i, (s, _) in enumerate(items) if s is served]
-            for i, out in zip(mine, served.reranker.score_with_trust([items[i][1] for i in mine])):
-                scored[i] = out
-        forward_ms = 1000 * (time.perf_counter() - t0)
-        return [(m, trust, len(items), forward_ms) for m, trust in scored]
+            t0 = time.perf_counter()
+            outs = served.reranker.score_with_trust([items[i][1] for i in mine])
+            forward_ms = 1000 * (time.perf_counter() - t0)  # this model's pass over its share of the batch
+            for i, (m, trust) in zip(mine, outs):
+                scored[i] = (m, trust, len(items), forward_ms)
+        return scored
 
-    async def _rerank(self, body: RerankBody) -> Response:
-        t0 = time.perf_counter()
-        served = self.served  # one model for the whole request, whatever a swap does meanwhile
-        response = await self._answer(body, t0, served)
-        escalation = None
-        if isinstance(response, RerankResponse) and self.cascade is not None:
-            response, escalation = await self._cascade(response, body, served)
-        ms = 1000 * (time.perf_counter() - t0)
-        if isinstance(response, RerankResponse):
-            self.metrics.record(200, ms, len(body.documents), response.meta.batch_size, response.usage.prompt_tokens,
-                                response.meta.windows)
-            if self.traffic is not None:
-                self._log(response, body, served, ms, escalation)
-            return _json(response)
-        self.metrics.record(response.status_code, ms, len(body.documents))
-        return response
+    async def forward(self, served: "Served", prompt: EncodedPrompt) -> tuple[np.ndarray, float | None, int, float]:
+        """One request's forward pass: through `score`'s batch queue when other requests are on their way, straight
+        when it is alone (the queue's task hop costs ~0.8 ms a request: reports/serve_load.md). Requests that arrive
+        together see each other: each yields once to the loop before deciding, so they still share a batch."""
+        self.waiting += 1
+        try:
+            await asyncio.sleep(0)
+            if self.waiting > 1:
+                return await self.score((served, prompt))
+            t0 = time.perf_counter()
+            ((matrix, trust),) = served.reranker.score_with_trust([prompt])
+            return matrix, trust, 1, 1000 * (time.perf_counter() - t0)
+        finally:
+            self.waiting -= 1
 
-    async def _cascade(self, response: RerankResponse, body: RerankBody, served: "Served"):
-        """The online cascade: below the threshold, the teacher within the deadline (it never raises)."""
-        meta = response.meta
-        if not self.cascade.wants(meta.confidence, served.cascade_threshold):
-            self.metrics.cascade.inc(tags={"answered_by": "student"})
-            return response.model_copy(update={"meta": meta.model_copy(update={"answered_by": "student", "escalated": False})}), None
-        e = await self.cascade.ask(body.query, body.texts())
-        opened, self._opens_counted = self.cascade.breaker.opens - self._opens_counted, self.cascade.breaker.opens
-        self.metrics.record_escalation(e, opened)
-        if e.late is not None:
-            t_ask = time.perf_counter() - (e.teacher_ms or 0.0) / 1000
-            e.late.add_done_callback(lambda task: self._late(task, t_ask))
-        return escalated(response, body, e), e
-
-    def _late(self, task: "asyncio.Task", t_ask: float) -> None:
-        """A teacher answer that missed the deadline, when it comes: its latency (or its failure's reason) counted."""
-        if task.cancelled():
-            return
-        order, reason = task.result()
-        if order is not None:
-            self.metrics.teacher_latency.observe(1000 * (time.perf_counter() - t_ask))
-        else:
-            self.metrics.teacher_errors.inc(tags={"reason": reason or "unknown"})
-
-    def _log(self, response: RerankResponse, body: RerankBody, served: "Served", ms: float, e: Escalation | None) -> None:
-        """The traffic log's record, with the teacher's ranking: now, or (an answer still on its way past the
-        deadline) when it comes, so the flywheel sees the teacher's label on exactly the queries escalated."""
-        if e is None or e.late is None:
-            self.traffic.append(traffic_record(response, body, served, ms, e.order if e is not None else None))
-            return
-
-        def append(task: "asyncio.Task") -> None:
-            order = None if task.cancelled() else task.result()[0]
-            self.traffic.append(traffic_record(response, body, served, ms, order))
-
-        e.late.add_done_callback(append)
-
-    async def _answer(self, body: RerankBody, t0: float, served: "Served"):
+    async def answer(self, body: RerankBody, t0: float, served: "Served") -> "RerankResponse | Failure":
         from hllm import PromptTooLong
 
         reranker, texts = served.reranker, body.texts()
         if len(texts) > self.args.max_documents:
-            return _error(422, f"{len(texts)} documents exceed this deployment's limit of {self.args.max_documents} "
-                               "(the schema's documents.maxItems)")
+            return Failure(422, f"{len(texts)} documents exceed this deployment's limit of {self.args.max_documents} "
+                                "(the schema's documents.maxItems)")
         decoder = body.decoder or self.args.decoder
         if self.args.window is not None and len(texts) > self.args.window:
             return await self._rerank_windows(body, texts, decoder, t0, served)
         try:
             prompt = reranker.encode(body.query, texts, body.max_tokens_per_doc)
         except PromptTooLong as err:
-            return _error(413, str(err))
+            return Failure(413, str(err))
         t_tok = time.perf_counter()
-        matrix, trust, batch_size, forward_ms = await self._score((served, prompt))
+        matrix, trust, batch_size, forward_ms = await self.forward(served, prompt)
         t_fwd = time.perf_counter()
         decoded = reranker.decode(matrix, decoder)
         t_dec = time.perf_counter()
@@ -516,7 +474,7 @@ class RerankDeployment:
             ranked = await asyncio.to_thread(served.reranker.windowed_orders, [body.query], [texts], None, decoder,
                                              body.max_tokens_per_doc)
         except PromptTooLong as err:
-            return _error(413, str(err))
+            return Failure(413, str(err))
         order, tokens = ranked.orders[0], ranked.prompt_tokens[0]
         results = [RerankResult(index=i, relevance_score=score, rank=r + 1,
                                 document=ResultDocument(text=texts[i]) if body.return_documents else None)
@@ -528,6 +486,126 @@ class RerankDeployment:
                                        confidence=rounded(ranked.confidence[0]),
                                        **self._vocabulary(ranked.unknown_token_share[0], served.reranker, ranked.trust[0]),
                                        timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
+
+
+def model_card(name: str, served: Served, args: AppArgs) -> ModelCard:
+    """A served student as `/v1/models` lists it."""
+    reranker = served.reranker
+    card = reranker.card
+    return ModelCard(
+        id=name, model_version=served.model_id, max_documents=args.max_documents, positions=reranker.positions,
+        window=args.window, base_model=card.get("base_model"), training_data=card.get("training_data"),
+        vocabulary=card.get("vocabulary"), card=card,
+        relevance_score=("calibrated P(relevant) (grade >= {}), non-increasing along the results; raw_scores: true "
+                         "for the decoder's".format(reranker.calibrator.rel) if reranker.calibrator
+                         else "the decoder's rank-derived score, not a probability (this model has no calibration)"),
+        calibration=reranker.calibrator.fitted_on if reranker.calibrator else None)
+
+
+@serve.deployment(name="Reranker", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16)
+@serve.ingress(api)
+class RerankDeployment:
+    """A replica wraps one `hllm.Reranker` (`Answerer`): encode per request, one batched forward pass, decode."""
+
+    def __init__(self, args: dict):
+        self.args = replica_args(args)
+        self.cascade = OnlineCascade(self.args.cascade) if self.args.cascade is not None else None
+        self.answerer = Answerer(self.args, self.cascade)
+        self._opens_counted = 0  # the breaker's openings already counted in Prometheus
+        self.served = self.answerer.load(pinned_model(self.args.model))
+        api.state.max_body_bytes = self.args.max_body_bytes
+        api.state.max_documents = self.args.max_documents
+        self.metrics = RerankMetrics()
+        self.traffic = None
+        if self.args.traffic_log is not None:
+            from hllm.data.traffic import TrafficLog
+
+            self.traffic = TrafficLog(self.args.traffic_log, cut=lambda docs: self.served.reranker.cut_documents(docs),
+                                      writer=_replica_name())
+        if self.args.alias_poll_s and registry_alias(self.args.model):
+            threading.Thread(target=self._watch_alias, name="hllm-alias-watch", daemon=True).start()
+
+    def _watch_alias(self) -> None:
+        """Resolves `models:/NAME@ALIAS` every `alias_poll_s`; a new version is loaded here, off the
+        request path, then swapped in with one assignment: requests in flight finish on the version
+        they started with. A registry that cannot be reached leaves the serving version (counted)."""
+        while True:
+            time.sleep(self.args.alias_poll_s)
+            try:
+                uri = pinned_model(self.args.model)
+                if model_id(uri) != self.served.model_id:
+                    self.served = self.answerer.load(uri)
+                    self.metrics.swaps.inc(tags={"outcome": "swapped"})
+                    logger.info("serving %s (alias %s moved)", uri, self.args.model)
+            except Exception as err:  # noqa: BLE001 (registry down, a bad version: keep serving, count, say)
+                self.metrics.swaps.inc(tags={"outcome": "failed"})
+                logger.warning("could not follow %s: %s; still serving %s", self.args.model, err, self.served.model_id)
+
+    @property
+    def reranker(self):
+        return self.served.reranker
+
+    def __del__(self):
+        """Serve's graceful shutdown: the traffic log's buffer is written out."""
+        if getattr(self, "traffic", None) is not None:
+            self.traffic.close()
+
+    def reconfigure(self, user_config: dict) -> None:
+        self.answerer.reconfigure(user_config)
+
+    async def _rerank(self, body: RerankBody) -> Response:
+        t0 = time.perf_counter()
+        served = self.served  # one model for the whole request, whatever a swap does meanwhile
+        response = await self.answerer.answer(body, t0, served)
+        if isinstance(response, Failure):
+            self.metrics.record(response.status, 1000 * (time.perf_counter() - t0), len(body.documents))
+            return _error(response.status, response.message)
+        escalation = None
+        if self.cascade is not None:
+            response, escalation = await self._cascade(response, body, served)
+        ms = 1000 * (time.perf_counter() - t0)
+        self.metrics.record(200, ms, len(body.documents), response.meta.batch_size, response.usage.prompt_tokens,
+                            response.meta.windows)
+        if self.traffic is not None:
+            self._log(response, body, served, ms, escalation)
+        return _json(response)
+
+    async def _cascade(self, response: RerankResponse, body: RerankBody, served: "Served"):
+        """The online cascade: below the threshold, the teacher within the deadline (it never raises)."""
+        meta = response.meta
+        if not self.cascade.wants(meta.confidence, served.cascade_threshold):
+            self.metrics.cascade.inc(tags={"answered_by": "student"})
+            return response.model_copy(update={"meta": meta.model_copy(update={"answered_by": "student", "escalated": False})}), None
+        e = await self.cascade.ask(body.query, body.texts())
+        opened, self._opens_counted = self.cascade.breaker.opens - self._opens_counted, self.cascade.breaker.opens
+        self.metrics.record_escalation(e, opened)
+        if e.late is not None:
+            t_ask = time.perf_counter() - (e.teacher_ms or 0.0) / 1000
+            e.late.add_done_callback(lambda task: self._late(task, t_ask))
+        return escalated(response, body, e), e
+
+    def _late(self, task: "asyncio.Task", t_ask: float) -> None:
+        """A teacher answer that missed the deadline, when it comes: its latency (or its failure's reason) counted."""
+        if task.cancelled():
+            return
+        order, reason = task.result()
+        if order is not None:
+            self.metrics.teacher_latency.observe(1000 * (time.perf_counter() - t_ask))
+        else:
+            self.metrics.teacher_errors.inc(tags={"reason": reason or "unknown"})
+
+    def _log(self, response: RerankResponse, body: RerankBody, served: "Served", ms: float, e: Escalation | None) -> None:
+        """The traffic log's record, with the teacher's ranking: now, or (an answer still on its way past the
+        deadline) when it comes, so the flywheel sees the teacher's label on exactly the queries escalated."""
+        if e is None or e.late is None:
+            self.traffic.append(traffic_record(response, body, served, ms, e.order if e is not None else None))
+            return
+
+        def append(task: "asyncio.Task") -> None:
+            order = None if task.cancelled() else task.result()[0]
+            self.traffic.append(traffic_record(response, body, served, ms, order))
+
+        e.late.add_done_callback(append)
 
     @api.post("/v1/rerank", response_model=RerankResponse, response_model_exclude_none=True, responses=ERRORS)
     async def rerank_v1(self, body: RerankBody):
@@ -547,21 +625,16 @@ class RerankDeployment:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        card = self.reranker.card
-        return ModelList(data=[ModelCard(
-            id=self.args.model_name, model_version=self.served.model_id, max_documents=self.args.max_documents,
-            positions=self.reranker.positions,
-            window=self.args.window, base_model=card.get("base_model"), training_data=card.get("training_data"),
-            vocabulary=card.get("vocabulary"), card=card,
-            relevance_score=("calibrated P(relevant) (grade >= {}), non-increasing along the results; raw_scores: true "
-                             "for the decoder's".format(self.reranker.calibrator.rel) if self.reranker.calibrator
-                             else "the decoder's rank-derived score, not a probability (this model has no calibration)"),
-            calibration=self.reranker.calibrator.fitted_on if self.reranker.calibrator else None)])
+        return ModelList(data=[model_card(self.args.model_name, self.served, self.args)])
 
 
 def app_builder(args: dict) -> Application:
     """The typed builder `serve run/deploy` calls with the YAML's `args`."""
     parsed = AppArgs(**args)
+    if parsed.students is not None:
+        from serve.students import students_app
+
+        return students_app(parsed)
     return RerankDeployment.bind(parsed.model_dump())
 
 

@@ -191,3 +191,56 @@ def swap_under_load(url: str, bodies: list[dict], trigger, new_version: str, cli
                 break
             time.sleep(0.1)
     return result
+
+
+@dataclass
+class RolloutResult:
+    """A rollout drill: every request's outcome, who answered, and each candidate's final decision."""
+
+    requests: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    by_version: dict[str, int] = field(default_factory=dict)  # meta.model_version -> requests answered
+    by_arm: dict[str, int] = field(default_factory=dict)  # meta.rollout_arm -> requests answered
+    latency_ms: list[float] = field(default_factory=list)
+    outcomes: list[dict] = field(default_factory=list)  # per candidate: label, version, the deciding row, seconds
+
+    def summary(self) -> dict:
+        lat = np.asarray(self.latency_ms) if self.latency_ms else np.asarray([np.nan])
+        return {"requests": self.requests, "failed": self.failed, "errors": self.errors, "by_version": self.by_version,
+                "by_arm": self.by_arm, "p50_ms": float(np.median(lat)), "p99_ms": float(np.percentile(lat, 99)),
+                "outcomes": [{k: o[k] for k in ("label", "action", "reason", "seconds")} for o in self.outcomes]}
+
+
+def rollout_under_load(url: str, bodies: list[dict], candidates: list[tuple[str, str]], move_candidate,
+                       clients: int = 2, pause_s: float = 0.01, timeout_s: float = 120.0) -> RolloutResult:
+    """Closed-loop load on a many-student app (`url`: its root) while each candidate in turn is rolled out:
+    `move_candidate(version)` points the rollout's candidate alias at `models:/NAME/<version>`, then the drill waits
+    for that version's rollback or promotion (GET /v1/rollout) before the next. -> every request's outcome."""
+    result = RolloutResult()
+
+    def record(done, ms, response, error):
+        result.requests += 1
+        if error is not None:
+            result.failed += 1
+            result.errors[error] = result.errors.get(error, 0) + 1
+            return
+        meta = response.json()["meta"]
+        result.latency_ms.append(ms)
+        result.by_version[meta.get("model_version")] = result.by_version.get(meta.get("model_version"), 0) + 1
+        arm = meta.get("rollout_arm") or "none"
+        result.by_arm[arm] = result.by_arm.get(arm, 0) + 1
+
+    with ClosedLoopLoad(url.rstrip("/") + "/v1/rerank", bodies, record, clients=clients, pause_s=pause_s):
+        for label, version in candidates:
+            t0 = time.perf_counter()
+            uri = move_candidate(version)
+            decision = None
+            while decision is None and time.perf_counter() - t0 < timeout_s:
+                time.sleep(0.25)
+                rows = requests.get(url.rstrip("/") + "/v1/rollout", timeout=30).json()["decisions"]
+                decision = next((d for d in rows if d["version"] == uri and d["action"] in ("rollback", "promote")), None)
+            result.outcomes.append({"label": label, "version": uri, "action": decision and decision["action"],
+                                    "reason": decision and decision["reason"], "row": decision,
+                                    "seconds": round(time.perf_counter() - t0, 2)})
+    return result

@@ -47,6 +47,14 @@ class ErrorBody(BaseModel):
     detail: str
 
 
+class ModelNotFoundBody(BaseModel):
+    """A 404 for an unknown `model`: Cohere's error shape (`message`), FastAPI's (`detail`), and the names served."""
+
+    message: str
+    detail: str
+    known_models: list[str]
+
+
 class ValidationErrorBody(BaseModel):
     """A 422: FastAPI's list of schema errors, or one message (more documents than `maxItems`)."""
 
@@ -95,6 +103,9 @@ class Meta(BaseModel):
     # and whether the request was escalated (its confidence below the threshold); timings_ms.teacher: the wait on it
     answered_by: str | None = None
     escalated: bool | None = None
+    # a many-student app with a rollout (docs/rollout.md): which arm answered — champion, candidate (the canary), or
+    # champion_after_candidate_error (the canary's call failed and the champion answered instead)
+    rollout_arm: str | None = None
 
 
 class RerankResponse(BaseModel):
@@ -111,7 +122,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     owned_by: str = "hllm"
     max_documents: int  # per request
-    positions: int  # K, the head's rank positions
+    positions: int | None = None  # K, the head's rank positions (GET /v1/models/{id} of a many-student app)
     window: int | None = None  # longer requests are ranked in windows of this many documents
     base_model: str | None = None
     training_data: dict | str | None = None  # source, path, top_n, train slates and queries
@@ -119,6 +130,8 @@ class ModelCard(BaseModel):
     relevance_score: str | None = None  # what the score means (rank-derived or calibrated)
     calibration: dict | None = None  # how relevance_score was calibrated: held-out slates, items, relevant
     card: dict = {}  # the whole saved model card
+    model_uri: str | None = None  # a many-student app: the model as configured (an alias, a folder, ...)
+    role: str | None = None  # a many-student app: "default", or the rollout's candidate and its phase
 
 
 class ModelList(BaseModel):

@@ -131,7 +131,7 @@ def test_the_rayservice_serves_the_application_of_serve_config_yaml():
     from serve.app import AppArgs, app_builder
 
     local = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
-    served = yaml.safe_load(of_kind("RayService")["spec"]["serveConfigV2"])
+    served = yaml.safe_load(of_kind("RayService", "hllm-serve")["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(local)  # what `serve deploy` and KubeRay hand to Serve
     ServeDeploySchema.model_validate(served)
     assert serve_apps(served).keys() == serve_apps(local).keys()
@@ -145,6 +145,33 @@ def test_the_rayservice_serves_the_application_of_serve_config_yaml():
         assert app["args"]["model"].startswith("models:/") and app["args"]["model"].endswith("@champion")
         for deployment in app["deployments"]:
             assert set(deployment.get("user_config", {})) <= {"max_batch_size", "batch_wait_timeout_s"}
+
+
+def test_the_many_student_rayservice_builds_its_app_and_upgrades_clusters_incrementally():
+    """deploy/kuberay/rayservice-students.yaml: a Serve config Serve accepts, args AppArgs accepts (the students, the
+    rollout), the three deployments the app builds, and KubeRay's incremental cluster upgrade."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve.app import AppArgs, app_builder
+
+    doc = of_kind("RayService", "hllm-students")
+    config = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    local = yaml.safe_load((ROOT / "serve" / "students.yaml").read_text())  # the local example builds the same app
+    ServeDeploySchema.model_validate(local)
+    (mine,) = local["applications"]
+    assert app_builder(mine["args"]) is not None
+    assert [d["name"] for d in mine["deployments"]] == ["Router", "Students", "Rollout", "Shadows"]
+    (app,) = config["applications"]
+    args = AppArgs(**app["args"])
+    assert args.students["main"] == "models:/hllm-student@champion" and args.rollout.canary.model == "challenger"
+    assert args.rollout.canary.promote_alias == "champion" and args.rollout.shadow.model == "challenger"
+    built = app_builder(app["args"])  # binds Router -> Students + Rollout without loading a model
+    assert built is not None
+    assert [d["name"] for d in app["deployments"]] == ["Router", "Students", "Rollout", "Shadows"]
+    strategy = doc["spec"]["upgradeStrategy"]
+    assert strategy["type"] == "NewClusterWithIncrementalUpgrade"
+    assert {"gatewayClassName", "stepSizePercent", "intervalSeconds"} <= set(strategy["clusterUpgradeOptions"])
 
 
 def resolve_entrypoint(entrypoint: str) -> tuple[Path, list[str]]:
@@ -189,7 +216,7 @@ def test_the_scheduled_refresh_runs_a_cycle_on_the_jobs_cluster_and_reads_what_s
     _, job_rest = resolve_entrypoint(job["entrypoint"])
     assert (rest[1], cfg.output_dir) == (job_rest[1], load_config(PipelineConfig, job_rest[1], [
         re.sub(r"\$[A-Z_]+", "http://mlflow:5000", w) for w in job_rest[2:]]).output_dir)  # the job's rankings
-    served = serve_apps(yaml.safe_load(of_kind("RayService")["spec"]["serveConfigV2"]))["hllm"]["args"]
+    served = serve_apps(yaml.safe_load(of_kind("RayService", "hllm-serve")["spec"]["serveConfigV2"]))["hllm"]["args"]
     assert cfg.refresh.log_path == served["traffic_log"]["path"] and cfg.refresh.champion == served["model"]
 
 

@@ -78,6 +78,16 @@ class TrafficRecord:
     # served teacher's ranking where it gave one (in time, or late: finish_late), else empty
     answered_by: str = "student"
     teacher_order: list[int] = field(default_factory=list)
+    # in a many-student app with a rollout (hllm.recipes.rollout): which arm answered ("champion", "candidate", ""
+    # outside a rollout) and, for a request also ranked by the other arm off the response path (shadow, or the
+    # champion beside a canary answer), that model, its full ranking, its agreement with the answer and its latency
+    arm: str = ""
+    shadow_model: str = ""
+    shadow_order: list[int] = field(default_factory=list)
+    shadow_kendall_tau: float | None = None
+    shadow_top10_overlap: float | None = None
+    shadow_latency_ms: float | None = None
+    shadow_error: str = ""
 
 
 SCHEMA = pa.schema([
@@ -86,9 +96,14 @@ SCHEMA = pa.schema([
     ("scores", pa.list_(pa.float32())), ("n", pa.int32()), ("latency_ms", pa.float32()),
     ("unknown_token_share", pa.float32()), ("warnings", pa.list_(pa.string())),
     ("answered_by", pa.string()), ("teacher_order", pa.list_(pa.int32())),
+    ("arm", pa.string()), ("shadow_model", pa.string()), ("shadow_order", pa.list_(pa.int32())),
+    ("shadow_kendall_tau", pa.float32()), ("shadow_top10_overlap", pa.float32()), ("shadow_latency_ms", pa.float32()),
+    ("shadow_error", pa.string()),
 ])
-# columns a log written before the cascade lacks: read as their defaults (`read_log`; the refresh reads `REQUIRED`)
-OPTIONAL = {"answered_by": "student", "teacher_order": ()}
+# columns a log written before the cascade (or the rollout) lacks: read as their defaults (`read_log`; the refresh
+# reads `REQUIRED`)
+OPTIONAL = {"answered_by": "student", "teacher_order": (), "arm": "", "shadow_model": "", "shadow_order": (),
+            "shadow_kendall_tau": None, "shadow_top10_overlap": None, "shadow_latency_ms": None, "shadow_error": ""}
 REQUIRED = [n for n in SCHEMA.names if n not in OPTIONAL]
 assert SCHEMA.names == [f.name for f in dataclasses.fields(TrafficRecord)]
 
@@ -311,13 +326,23 @@ def clean_rows(rows: Iterable[dict[str, Any]], model_key: str, share: float = 1.
     return kept, counts
 
 
+def teacher_label(row: dict[str, Any]) -> list[int] | None:
+    """The served teacher's ranking a logged row carries (the cascade's `teacher_order`), where it is a whole
+    permutation of the row's documents; else None."""
+    order = list(row.get("teacher_order") or [])
+    return order if order and sorted(order) == list(range(len(row.get("documents") or []))) else None
+
+
 def dedupe(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """One row per request key (the earliest); -> (rows, duplicates dropped)."""
+    """One row per request key (the earliest, or the earliest carrying the served teacher's ranking: a label already
+    paid for); -> (rows, duplicates dropped)."""
     first: dict[str, dict[str, Any]] = {}
     total = 0
     for row in rows:
         total += 1
-        if row["key"] not in first or row["time"] < first[row["key"]]["time"]:
+        kept = first.get(row["key"])
+        rank = (teacher_label(row) is None, row["time"])
+        if kept is None or rank < (teacher_label(kept) is None, kept["time"]):
             first[row["key"]] = row
     return sorted(first.values(), key=lambda r: r["key"]), total - len(first)
 
