@@ -198,6 +198,7 @@ def download_mlflow_model(uri: str) -> str:
     """`runs:/RUN_ID/student` or `models:/NAME@ALIAS` -> a local folder (MLflow's tracking URI from
     MLFLOW_TRACKING_URI). Registered in pyproject.toml under the entry-point group `hllm.model_uris`."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no bar per model loaded
     import mlflow
 
     from pipelines.registry import student_folder

@@ -30,11 +30,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
 import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 
 from hllm.data import store, traffic  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
 from hllm.recipes.flywheel import (NothingToRefresh, Verdict, gate, refuse_foreign, replay_mix,  # noqa: E402
-                                   select_slates, side_by_side)
+                                   reused_rankings, select_slates, side_by_side)
 from hllm.reranker import registry_alias  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job, tracking_uri  # noqa: E402
 
@@ -45,6 +46,10 @@ def _classify(batch: pa.Table, model_key: str, share: float) -> pa.Table:
     """A Ray Data batch of log rows -> the same rows with their status and request key."""
     statuses, keys = zip(*(traffic.row_status(r, model_key, share) for r in batch.to_pylist())) if batch.num_rows else ((), ())
     return batch.append_column("status", pa.array(list(statuses), pa.string())).append_column("key", pa.array(list(keys), pa.string()))
+
+
+def _no_teacher_order(batch: pa.Table) -> pa.Table:
+    return batch.append_column("teacher_order", pa.array([[]] * batch.num_rows, pa.list_(pa.int32())))
 
 
 def read_traffic(log_path: str, model_key: str, share: float) -> tuple[list[dict[str, Any]], dict[str, int], set[str]]:
@@ -58,7 +63,13 @@ def read_traffic(log_path: str, model_key: str, share: float) -> tuple[list[dict
     counts = {"files": len(scan.files), "files_skipped": len(scan.skipped), "rows": 0, **dict.fromkeys(traffic.STATUSES, 0)}
     if not scan.files:
         return [], counts, set()
-    ds = ray.data.read_parquet([str(p) for p in scan.files], columns=traffic.REQUIRED)
+    # the cascade's teacher_order is read where a file has it (a log written before the cascade reads as empty)
+    with_teacher = [str(p) for p in scan.files if "teacher_order" in pq.read_schema(p).names]
+    without = [str(p) for p in scan.files if str(p) not in set(with_teacher)]
+    parts = ([ray.data.read_parquet(with_teacher, columns=traffic.REQUIRED + ["teacher_order"])] if with_teacher else []) + \
+        ([ray.data.read_parquet(without, columns=traffic.REQUIRED).map_batches(_no_teacher_order, batch_format="pyarrow")]
+         if without else [])
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     ds = ds.map_batches(_classify, fn_kwargs={"model_key": model_key, "share": share}, batch_format="pyarrow").materialize()
     for row in ds.groupby("status").count().take_all():
         counts[row["status"]] = int(row["count()"])
@@ -118,7 +129,8 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
         t0 = time.perf_counter()
         teacher_model, original = teacher_gen.run(cfg, run.info.run_id)  # the job's rankings: reused, not redone
         new = {split: teacher_rankings_stage(cfg, teacher_model, f"traffic-{selection.cycle}-{split}", slates,
-                                             teacher_gen.ray_ranker(cfg, teacher_model))
+                                             teacher_gen.ray_ranker(cfg, teacher_model),
+                                             known=reused_rankings(slates, selection.teacher_orders))
                for split, slates in (("train", selection.train), ("test", selection.test))}
         seconds["label"] = time.perf_counter() - t0
 
@@ -155,16 +167,18 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
         if verdict.promote and pin(r.champion) != champion_uri:  # another cycle or a person moved it meanwhile
             verdict = Verdict(False, verdict.reasons + [f"{r.champion} moved to {pin(r.champion)} during the cycle: "
                                                         f"the challenger was compared with {champion_uri}, not with it"])
+        moved = f"models:/{name}@{r.rollout_alias or alias}"  # the champion, or the alias a serving rollout takes on
         if verdict.promote:
-            promote(name, version, alias)
+            promote(name, version, r.rollout_alias or alias)
         for who, row in figures.items():
             log_metrics(row, prefix=f"{who}.")
         log_metrics({"tolerance": r.tolerance, "min_gain": r.min_gain, "promoted": int(verdict.promote),
                      **{f"seconds.{k}": v for k, v in seconds.items()}})
         mlflow.set_tags({"challenger_version": challenger_uri, "verdict": verdict.text(), "gate_metric": r.gate_metric,
-                         "alias_now": f"{r.champion} -> {pin(r.champion)}"})
+                         "alias_now": f"{r.champion} -> {pin(r.champion)}",
+                         **({"rollout_alias": f"{moved} -> {pin(moved)}"} if r.rollout_alias else {})})
         record = {"cycle": selection.cycle, "champion": champion_uri, "challenger": challenger_uri,
-                  "promoted": verdict.promote, "verdict": verdict.text(), "counts": selection.counts, "figures": figures,
+                  "promoted": verdict.promote, "moved": moved if verdict.promote else None, "verdict": verdict.text(), "counts": selection.counts, "figures": figures,
                   "seconds": seconds, "mlflow_run_id": run.info.run_id, "cycle_dir": str(out),
                   "rankings": {split: str(rk.directory) for split, rk in new.items()}, "config": dataclasses.asdict(r),
                   # each model's order of every held-out traffic slate, by slate id (what the figures were computed on)
@@ -182,8 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     except (NothingToRefresh, FileNotFoundError) as err:
         sys.exit(f"refresh: {err}")
     print(f"cycle {record['cycle']}: {record['verdict']}")
+    rollout = " (the serving app's rollout takes it on: shadow, canary, promotion)" if cfg.refresh.rollout_alias else ""
     print(f"champion {record['champion']} -> challenger {record['challenger']}"
-          f"{' (now ' + cfg.refresh.champion + ')' if record['promoted'] else ''}; mlflow run {record['mlflow_run_id']}")
+          f"{' (now ' + record['moved'] + rollout + ')' if record['promoted'] else ''}; mlflow run {record['mlflow_run_id']}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# one console line per event: no "Downloading artifacts" bar for every model logged, loaded or served from the registry
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 import mlflow  # noqa: E402
 import pandas as pd  # noqa: E402

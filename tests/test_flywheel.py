@@ -136,14 +136,45 @@ def test_served_traffic_refreshes_the_champion_and_the_deployment_swaps_with_no_
         serve.delete("flywheel")
 
 
+def escalated_rows(out: Path, n: int) -> dict[str, list[int]]:
+    """n logged requests again, as the online cascade logs an escalation (new queries: new requests), each with the
+    served teacher's ranking (`teacher_order`, here the input order turned round) -> request key -> that ranking."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hllm.data.traffic import log_files
+
+    table = pq.read_table(log_files(out / "traffic")[0]).slice(0, n)
+    rows = table.to_pylist()
+    for r in rows:
+        r["query"] += " escalated"
+        r["answered_by"], r["teacher_order"] = "teacher", list(range(len(r["documents"])))[::-1]
+    folder = out / "traffic" / "date=2026-12-06"
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), folder / "part-9999999999999-cascade-000001.parquet")
+    return {request_key(r["query"], r["documents"]): r["teacher_order"] for r in rows}
+
+
 def test_a_cycle_the_gate_refuses_leaves_the_alias(job):
+    """Also, with `refresh.rollout_alias`: the refused gate moves no alias, and the served teacher's rankings in the log
+    (escalated requests) label their slates instead of the job's teacher."""
+    from hllm.data import store
+
     cfg, overrides, out, _ = job
     assert pin("models:/hllm-student@champion") == "models:/hllm-student/2"  # after the first cycle
-    strict = load_config(PipelineConfig, None, overrides + ["refresh.min_gain=1.0"])  # no challenger gains a whole point
+    escalated = escalated_rows(out, 4)
+    strict = load_config(PipelineConfig, None, overrides + ["refresh.min_gain=1.0",  # no challenger gains a whole point
+                                                            "refresh.rollout_alias=challenger"])
     record = refresh.run(strict)
-    assert not record["promoted"] and "no gain" in record["verdict"]
+    assert not record["promoted"] and "no gain" in record["verdict"] and record["moved"] is None
     assert record["champion"] == "models:/hllm-student/2" and record["challenger"] == "models:/hllm-student/3"
     assert pin("models:/hllm-student@champion") == "models:/hllm-student/2"  # unchanged
+    with pytest.raises(mlflow.exceptions.MlflowException):  # and no challenger alias was made
+        pin("models:/hllm-student@challenger")
+    assert record["counts"]["teacher_labelled"] == len(escalated), record["counts"]
+    labelled = {i.slate.slate_id: i.ranking.permutation for d in record["rankings"].values()
+                for i in store.read_rankings(d)}
+    assert {k: labelled[f"traffic-{k}"] for k in escalated} == escalated  # the served teacher's, not asked again
     run = mlflow.get_run(record["mlflow_run_id"])
     assert run.data.metrics["promoted"] == 0.0 and "KEEP" in run.data.tags["verdict"]
 

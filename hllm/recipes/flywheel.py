@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from hllm.data.traffic import dedupe, keep_share, to_slate
+from hllm.data.traffic import dedupe, keep_share, teacher_label, to_slate
 from hllm.eval.metrics import agreement, ir_metrics
 from hllm.records import RankedSlate, RerankRequest
 from hllm.reranker import registry_alias
@@ -50,6 +50,14 @@ class RefreshConfig:
     # what "better on held-out new traffic" measures, against the teacher's rankings (see the module docstring)
     gate_metric: Literal["nDCG@10_vs_teacher", "kendall_tau", "top1_agreement"] = "nDCG@10_vs_teacher"
     seed: int = 0  # the replay sample
+    # None: the gate moves the champion alias itself. An alias (e.g. "challenger"): the gate moves models:/NAME@<it>
+    # instead, and a serving app whose args.rollout rolls that alias out takes it on from there — shadow, canary,
+    # then promotion to the champion alias or a rollback, on live traffic (serve/students.py, docs/rollout.md)
+    rollout_alias: str | None = None
+    # requests the online cascade escalated carry the served teacher's ranking in the log (`teacher_order`): used as
+    # their labels instead of asking the job's teacher again (false: every slate labelled by the job's teacher, e.g.
+    # when the served teacher is another model than the job's and one teacher's labels are wanted)
+    reuse_teacher_orders: bool = True
 
     def __post_init__(self) -> None:
         if registry_alias(self.champion) is None:
@@ -59,6 +67,9 @@ class RefreshConfig:
             raise ValueError("refresh: need 0 < sample_share <= 1, 0 < traffic_test_fraction < 1, 0 <= replay_share < 1")
         if self.min_slates < 2 or self.max_slates < self.min_slates:
             raise ValueError("refresh: need 2 <= min_slates <= max_slates")
+        if self.rollout_alias is not None and self.rollout_alias == registry_alias(self.champion)[1]:
+            raise ValueError(f"refresh.rollout_alias {self.rollout_alias!r} is the champion's own alias: name the alias "
+                             "the serving app rolls out (e.g. challenger), or leave it unset to move the champion directly")
 
 
 @dataclass
@@ -68,7 +79,7 @@ class Selection:
     train: list[RerankRequest]
     test: list[RerankRequest]
     counts: dict[str, int]  # rows read, dropped by cause, duplicates, sampled out, files skipped
-
+    teacher_orders: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # slate id -> the served teacher's
     @property
     def cycle(self) -> str:
         """The cycle's name: a hash of its slates (the same log, the same cycle: a re-run resumes)."""
@@ -93,7 +104,18 @@ def select_slates(rows: list[dict[str, Any]], counts: dict[str, int], cfg: Refre
     if not train or not test:
         raise NothingToRefresh(f"{len(chosen)} requests split into {len(train)} to learn from and {len(test)} to test "
                                "on: both are needed. No new version")
-    return Selection([to_slate(r) for r in train], [to_slate(r) for r in test], {**counts, "train": len(train), "test": len(test)})
+    orders = {to_slate(r).slate_id: order for r in chosen if (order := teacher_label(r)) is not None} \
+        if cfg.reuse_teacher_orders else {}
+    return Selection([to_slate(r) for r in train], [to_slate(r) for r in test],
+                     {**counts, "train": len(train), "test": len(test), "teacher_labelled": len(orders)}, orders)
+
+
+def reused_rankings(slates: Sequence[RerankRequest], orders: dict[str, list[int]]) -> list[RankedSlate]:
+    """The slates whose served teacher's ranking the log holds, as rankings-store rows (no teacher asked)."""
+    from hllm.records import ParseCounts, TeacherRanking
+
+    return [RankedSlate(s, TeacherRanking(s.slate_id, orders[s.slate_id], "(the served teacher's ranking, from the "
+                                          "traffic log)", ParseCounts(total=1, ok=1))) for s in slates if s.slate_id in orders]
 
 
 def refuse_foreign(counts: dict[str, int], keys: set[str], champion_key: str, log_path: str) -> None:

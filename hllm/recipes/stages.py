@@ -255,15 +255,22 @@ def totals(summary: store.Summary) -> dict[str, Any]:
 
 
 def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: str,
-                           slates: Sequence[RerankRequest] | store.SplitSlates, rank: RankSlates) -> Rankings:
+                           slates: Sequence[RerankRequest] | store.SplitSlates, rank: RankSlates,
+                           known: Sequence[RankedSlate] = ()) -> Rankings:
     """The teacher's rankings of one split: reused when complete, otherwise the slates not yet in
     the store are ranked by `rank` (resuming an interrupted run). `slates`: held in this process, or
     the data stage's shards. Complete means exactly one row per slate: the store's footers give its
-    count and id sum, which must equal the split's."""
+    count and id sum, which must equal the split's. `known`: rankings of some of these slates already paid for
+    (a served teacher's answers in the traffic log), written to a fresh store first so only the rest are asked."""
     source = slates if isinstance(slates, store.SplitSlates) else store.SplitSlates.held(split, slates)
     key = generation_key(cfg, teacher_model)
     directory = Path(cfg.output_dir) / "rankings" / f"{split}-{key}"
     before = store.index(directory, ranking_summary)
+    if known and before.slates == 0:
+        store.write_shard(list(known), directory)
+        log.info("teacher rankings %s: %d of %d slates' rankings reused (the served teacher's, from the traffic log)",
+                 split, len(known), source.count)
+        before = store.index(directory, ranking_summary)
     complete = lambda ix: ix.slates == source.count and ix.id_sum == source.id_sum  # noqa: E731
     t0, extra = time.perf_counter(), None
     if before.summary.get("failed") and not stage_done(directory, key):  # a run that stopped: its failed slates again
