@@ -48,6 +48,15 @@ def real_body(data: Path) -> dict | None:
     return {"query": slate.query.text, "documents": [c.text for c in slate.candidates]}
 
 
+def ready(root: str, timeout_s: float = 120) -> None:
+    """Waits until the app at `root` answers (HAProxy learns a new route a moment after serve.run returns)."""
+    deadline = time.time() + timeout_s
+    while requests.get(root + "/healthz", timeout=10).status_code != 200:
+        if time.time() > deadline:
+            raise TimeoutError(f"{root} not serving after {timeout_s:.0f} s")
+        time.sleep(0.25)
+
+
 def wrong_student(champion: Path, out: Path) -> Path:
     from hllm.model.ranker import SinglePassRanker
 
@@ -104,14 +113,16 @@ def main() -> None:
                             "guards": {"min_requests": args.min_requests, "max_error_rate": 0.01, "max_p99_ratio": 2.0,
                                        "p99_slack_ms": 20, "min_agreement": 0.3},
                             "interval_s": 2.0, "report_s": 0.5, "log_path": str(out / "rollout.jsonl")})
-    two = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}
+    two = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}  # logical CPUs: every app fits Ray's 4
     serve.run(students_app(many, students_options=two), name="many", route_prefix="/many")
     one = RerankDeployment.options(name="One", ray_actor_options={"num_cpus": 1})
     serve.run(one.bind(AppArgs(model=str(champion), threads=1).model_dump()), name="one", route_prefix="/one")
+    ready(f"{ROOT}/many")
+    ready(f"{ROOT}/one")
     session = requests.Session()
     payloads = bodies(max(args.requests, 100))
     lines = [f"Embedded champion `{champion}`; synthetic requests of 20 documents; loopback; 2 cores; "
-             f"Students on 2 replicas (1 CPU each), at most 3 students a replica; one run."]
+             f"Students on 2 replicas (1 thread each), at most 3 students a replica; one run."]
 
     # 1. every student answers its own `model`; cold loads
     real = real_body(Path(args.data)) or payloads[0]
@@ -151,29 +162,46 @@ def main() -> None:
               f"interleaved sequential requests each): {routing:.2f} ms "
               f"(one-student p50 {np.median(one_ms):.2f} ms, many-student p50 {np.median(many_ms):.2f} ms; "
               f"p99 {np.percentile(one_ms, 99):.1f} vs {np.percentile(many_ms, 99):.1f} ms)"]
+    serve.delete("one")
 
     # 3. the shadow's cost on the primary: the same app with every request shadowed vs none, ABAB
     shadow_args = AppArgs(students={"main": str(champion), "candidate": str(good)}, threads=1,
                           rollout={"shadow": {"model": "candidate", "share": 1.0, "queue": 64},
                                    "guards": {"min_requests": 10**9}, "interval_s": 5, "report_s": 0.5})
     plain_args = AppArgs(students={"main": str(champion), "candidate": str(good)}, threads=1)
+    apps = {"plain": plain_args, "shadowed": shadow_args}  # both deployed, then measured in turn: ABAB
+    for label, app_args in apps.items():
+        serve.run(students_app(app_args, students_options={"ray_actor_options": {"num_cpus": 0.5}}), name=label,
+                  route_prefix=f"/{label}")
+        ready(f"{ROOT}/{label}")
+        post_all(f"{ROOT}/{label}/v1/rerank", payloads[:10])
+    def rollout_status() -> dict:
+        r = session.get(f"{ROOT}/shadowed/v1/rollout", timeout=30)
+        if r.status_code != 200:
+            print(f"GET /shadowed/v1/rollout: {r.status_code} {r.text[:200]!r}; again")
+            return {"state": None}
+        return r.json()
+
+    deadline = time.time() + 300
+    while (rollout_status()["state"] or {}).get("phase") != "shadow":  # the candidate warmed, the shadow on
+        if time.time() > deadline:
+            raise TimeoutError("the shadow did not start within 300 s")
+        time.sleep(0.5)
     phases = {"shadowed": [], "plain": []}
     for _ in range(2):
-        for label, app_args in (("plain", plain_args), ("shadowed", shadow_args)):
-            serve.run(students_app(app_args, students_options={"ray_actor_options": {"num_cpus": 1}}), name="shadow",
-                      route_prefix="/shadow")
-            post_all(f"{ROOT}/shadow/v1/rerank", payloads[:10])
-            phases[label] += post_all(f"{ROOT}/shadow/v1/rerank", payloads[: args.requests // 2], session=session)
-    status = session.get(f"{ROOT}/shadow/v1/rollout", timeout=30).json()
-    serve.delete("shadow")
+        for label in ("plain", "shadowed"):
+            phases[label] += post_all(f"{ROOT}/{label}/v1/rerank", payloads[: args.requests // 2], session=session)
+    status = rollout_status()
+    for label in apps:
+        serve.delete(label)
     p50 = {k: float(np.median(v)) for k, v in phases.items()}
     p99 = {k: float(np.percentile(v, 99)) for k, v in phases.items()}
     lines += ["", f"shadow overhead on the primary, p50: {p50['shadowed'] - p50['plain']:.2f} ms "
               f"(shadowed {p50['shadowed']:.2f} ms vs none {p50['plain']:.2f} ms; {len(phases['plain'])} requests each, "
               "two phases each, ABAB)",
               f"shadow overhead on the primary, p99: {p99['shadowed'] - p99['plain']:.2f} ms "
-              f"(shadowed {p99['shadowed']:.1f} ms vs none {p99['plain']:.1f} ms); shadow pairs dropped in the last "
-              f"phase: {status.get('dropped_here', 0)}"]
+              f"(shadowed {p99['shadowed']:.1f} ms vs none {p99['plain']:.1f} ms); shadow pairs dropped: "
+              f"{status.get('dropped_here', 0)}"]
 
     # 4. the rollout drill under closed-loop load
     def move(version):

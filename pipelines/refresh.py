@@ -176,7 +176,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
                      **{f"seconds.{k}": v for k, v in seconds.items()}})
         mlflow.set_tags({"challenger_version": challenger_uri, "verdict": verdict.text(), "gate_metric": r.gate_metric,
                          "alias_now": f"{r.champion} -> {pin(r.champion)}",
-                         **({"rollout_alias": f"{moved} -> {pin(moved)}"} if r.rollout_alias else {})})
+                         **({"rollout_alias": f"{moved} -> {version}"} if r.rollout_alias and verdict.promote else {})})
         record = {"cycle": selection.cycle, "champion": champion_uri, "challenger": challenger_uri,
                   "promoted": verdict.promote, "moved": moved if verdict.promote else None, "verdict": verdict.text(), "counts": selection.counts, "figures": figures,
                   "seconds": seconds, "mlflow_run_id": run.info.run_id, "cycle_dir": str(out),
