@@ -2,7 +2,8 @@
 
     serve run serve/students.yaml        # args.students: {name: model, ...}; args.rollout: shadow / canary (optional)
 
-Three deployments (`students_app`), built from the same `serve.app.AppArgs` as the one-student app:
+Three deployments, four with a rollout (`students_app`), built from the same `serve.app.AppArgs` as the one-student
+app:
 
 - `Router` (the HTTP ingress; light, any number of replicas): reads `model` from the body, resolves it to one immutable
   model (`hllm.recipes.rollout.ModelCatalog`: an alias pinned to its version), picks the canary's arm (sticky), calls
@@ -13,8 +14,11 @@ Three deployments (`students_app`), built from the same `serve.app.AppArgs` as t
 - `Students` (the models; `@serve.multiplexed`): at most `max_models_per_replica` students a replica, least recently
   used evicted; Serve's router prefers a replica that holds the requested model. Each answer is `serve.app.Answerer`'s,
   as in the one-student app; a batch holds one forward pass per model, never a mixed one.
-- `Rollout` (one replica): the candidate's `hllm.recipes.rollout.Rollout` — shadow, canary steps, rollback on a guard,
-  promotion (the registry alias moved) — each decision a log line, a metric and a row of `rollout.log_path`.
+- `Rollout` (one replica): the candidate's `hllm.recipes.rollout.Rollout` — warm-up, shadow, canary steps, rollback on
+  a guard, promotion (the registry alias moved) — each decision a log line, a metric and a row of `rollout.log_path`.
+- `Shadows` (with a rollout): Students replicas of their own, at a lower CPU priority, for the calls off the response
+  path (the shadow, the champion beside a canary answer): a replica runs one forward pass at a time, so a shadow's
+  pass on an answering replica would hold a user's request behind it.
 
 A canary call that fails is answered by the champion (counted as the candidate's error): the canary never fails a user's
 request. The single-student app (`serve.app.RerankDeployment`) keeps its one-hop path: nothing here touches it.
@@ -25,7 +29,6 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
