@@ -64,8 +64,8 @@ def read_traffic(log_path: str, model_key: str, share: float) -> tuple[list[dict
     if not scan.files:
         return [], counts, set()
     # the cascade's teacher_order is read where a file has it (a log written before the cascade reads as empty)
-    with_teacher = [str(p) for p in scan.files if "teacher_order" in pq.read_schema(p).names]
-    without = [str(p) for p in scan.files if str(p) not in set(with_teacher)]
+    has = {str(p): "teacher_order" in pq.read_schema(p).names for p in scan.files}
+    with_teacher, without = [p for p, yes in has.items() if yes], [p for p, yes in has.items() if not yes]
     parts = ([ray.data.read_parquet(with_teacher, columns=traffic.REQUIRED + ["teacher_order"])] if with_teacher else []) + \
         ([ray.data.read_parquet(without, columns=traffic.REQUIRED).map_batches(_no_teacher_order, batch_format="pyarrow")]
          if without else [])

@@ -23,7 +23,7 @@ import numpy as np
 
 from hllm.data.traffic import dedupe, keep_share, teacher_label, to_slate
 from hllm.eval.metrics import agreement, ir_metrics
-from hllm.records import RankedSlate, RerankRequest
+from hllm.records import ParseCounts, RankedSlate, RerankRequest, TeacherRanking
 from hllm.reranker import registry_alias
 
 
@@ -80,6 +80,7 @@ class Selection:
     test: list[RerankRequest]
     counts: dict[str, int]  # rows read, dropped by cause, duplicates, sampled out, files skipped
     teacher_orders: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # slate id -> the served teacher's
+
     @property
     def cycle(self) -> str:
         """The cycle's name: a hash of its slates (the same log, the same cycle: a re-run resumes)."""
@@ -112,8 +113,6 @@ def select_slates(rows: list[dict[str, Any]], counts: dict[str, int], cfg: Refre
 
 def reused_rankings(slates: Sequence[RerankRequest], orders: dict[str, list[int]]) -> list[RankedSlate]:
     """The slates whose served teacher's ranking the log holds, as rankings-store rows (no teacher asked)."""
-    from hllm.records import ParseCounts, TeacherRanking
-
     return [RankedSlate(s, TeacherRanking(s.slate_id, orders[s.slate_id], "(the served teacher's ranking, from the "
                                           "traffic log)", ParseCounts(total=1, ok=1))) for s in slates if s.slate_id in orders]
 
