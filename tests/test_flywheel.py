@@ -208,3 +208,26 @@ def test_bad_logs_make_no_new_version(job, tmp_path):
         cycle(tmp_path / "foreign")
     assert len(mlflow.MlflowClient().search_model_versions("name='hllm-student'")) == versions
     assert Path(out / "traffic").is_dir()
+
+
+def test_files_before_and_after_the_cascade_columns_read_together_through_ray_data(ray_local, tmp_path):
+    """The refresh reads `teacher_order` where a file has it and an empty one where a file was written before the
+    cascade: one dataset of both, every row counted, the label kept where there is one."""
+    import pyarrow.parquet as pq
+
+    from hllm.data.traffic import OPTIONAL, TrafficLog, TrafficLogConfig
+    from test_traffic import record
+
+    log = TrafficLog(TrafficLogConfig(str(tmp_path), flush_records=100, flush_seconds=60))
+    escalated = record(1)
+    escalated.teacher_order = [2, 0, 1]
+    log.append(record(0))
+    log.append(escalated)
+    new = log.flush()
+    log.close()
+    old = new.with_name("part-0000000000001-x-000001.parquet")  # as a replica wrote it before the cascade
+    pq.write_table(pq.read_table(new).drop_columns(list(OPTIONAL)), old)
+    rows, counts, _ = refresh.read_traffic(str(tmp_path), "k1", 1.0)
+    assert counts["rows"] == 4 and counts["files"] == 2
+    assert sorted((r["request_id"], list(r["teacher_order"])) for r in rows) == \
+        [("r0", []), ("r0", []), ("r1", []), ("r1", [2, 0, 1])]
