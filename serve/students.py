@@ -37,8 +37,8 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from hllm.recipes.rollout import (Decision, ModelCatalog, Rollout, RolloutConfig, Route, UnknownModel, Window, bucket,
-                                  pair_agreement, write_decision)
+from hllm.recipes.rollout import (NO_ROLLOUT, Decision, ModelCatalog, Rollout, RolloutConfig, Route, UnknownModel,
+                                  Window, bucket, pair_agreement, registry_version, write_decision)
 from hllm.reranker import registry_alias
 from serve.app import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, _error, _json, _replica_name, model_card,
                        replica_args)
@@ -211,7 +211,7 @@ class RolloutController:
             self.errors += 1
             logger.warning("rollout: could not resolve %s (%s)", self.cfg.candidate, err)
         if self.rollout is None:
-            return {"phase": "none", "share": 0.0, "shadowing": False, "version": None}
+            return dict(NO_ROLLOUT)
         window = windows.get(self.rollout.version)
         decision = self.rollout.observe(Window.from_dict(window)) if window else None
         if decision is not None:
@@ -228,8 +228,7 @@ class RolloutController:
 
     async def _act(self, decision: Decision) -> None:
         if decision.action == "promote" and self.cfg.canary is not None and self.cfg.canary.promote_alias:
-            name = self.rollout.version.removeprefix("models:/").split("/")[0]
-            version = self.rollout.version.rsplit("/", 1)[1]
+            name, version = registry_version(self.rollout.version)
             from pipelines.registry import promote
 
             await asyncio.to_thread(promote, name, version, self.cfg.canary.promote_alias)
@@ -313,7 +312,7 @@ class Router:
         self.catalog = catalog_for(self.args)
         self.students, self.controller, self.shadows = students, controller, shadows
         self.rollout: RolloutConfig | None = self.args.rollout
-        self.state: dict = {"phase": "none", "share": 0.0, "shadowing": False, "version": None}
+        self.state: dict = dict(NO_ROLLOUT)
         self.windows: dict[str, Window] = {}  # what this replica saw since its last report, by candidate version
         self.metrics = RouterMetrics()
         self.dropped = 0

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hllm.recipes.rollout import (CanaryConfig, Guards, ModelCatalog, Rollout, RolloutConfig, ShadowConfig, UnknownModel,
+from hllm.recipes.rollout import (CanaryConfig, registry_version, Guards, ModelCatalog, Rollout, RolloutConfig, ShadowConfig, UnknownModel,
                                   Window, bucket, pair_agreement, read_decisions, status_table, write_decision)
 
 
@@ -227,3 +227,10 @@ def test_rollout_config_errors():
     cfg = RolloutConfig(shadow={"model": "a", "share": 0.5}, canary={"model": "a"}, guards={"min_requests": 3})
     assert cfg.shadow.share == 0.5 and cfg.guards.min_requests == 3 and cfg.candidate == "a"
     assert CanaryConfig("a", share=0.05, step_share=0.2, max_share=0.5).shares() == [0.05, 0.25, 0.45, 0.5]
+
+
+def test_registry_version():
+    assert registry_version("models:/hllm-student/7") == ("hllm-student", "7")
+    for bad in ("models:/hllm-student@champion", "/models/legal", "hllm-student/7"):
+        with pytest.raises(ValueError, match="nothing to promote"):
+            registry_version(bad)

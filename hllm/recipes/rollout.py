@@ -411,6 +411,18 @@ class Rollout:
                 "candidate": self.cfg.candidate, "decisions": len(self.decisions)}
 
 
+# a router's state while no rollout runs (none configured, or the candidate is the champion)
+NO_ROLLOUT = {"phase": "none", "share": 0.0, "shadowing": False, "version": None}
+
+
+def registry_version(uri: str) -> tuple[str, str]:
+    """`models:/NAME/VERSION` -> (NAME, VERSION): what a promotion moves an alias to."""
+    m = _REGISTRY_NAME.match(uri)
+    if m is None or not m["version"] or not uri.startswith("models:/"):
+        raise ValueError(f"{uri!r} is not a registered model version (models:/NAME/VERSION): nothing to promote")
+    return m["name"], m["version"]
+
+
 def write_decision(path: str | Path, decision: Decision) -> None:
     """Appends a decision to the rollout log (JSON lines; one write, so rows never interleave)."""
     path = Path(path)
