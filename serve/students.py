@@ -228,11 +228,16 @@ class RolloutController:
 
     async def _act(self, decision: Decision) -> None:
         if decision.action == "promote" and self.cfg.canary is not None and self.cfg.canary.promote_alias:
-            name, version = registry_version(self.rollout.version)
             from pipelines.registry import promote
 
-            await asyncio.to_thread(promote, name, version, self.cfg.canary.promote_alias)
-            self.catalog.forget(f"models:/{name}@{self.cfg.canary.promote_alias}")
+            try:
+                name, version = registry_version(self.rollout.version)
+            except ValueError as err:  # a folder candidate: healthy, but no alias to move (said, and the row says so)
+                logger.warning("rollout: %s", err)
+                decision = dataclasses.replace(decision, reason=f"{decision.reason}; not moved: {err}")
+            else:
+                await asyncio.to_thread(promote, name, version, self.cfg.canary.promote_alias)
+                self.catalog.forget(f"models:/{name}@{self.cfg.canary.promote_alias}")
         self._apply(decision)
 
     def _apply(self, decision: Decision) -> None:
