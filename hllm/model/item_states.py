@@ -20,11 +20,18 @@ Other architectures take the full prefill.
 (`mean`), or that beside the last token's (`last+mean`, 2D wide). A mean needs the last layer at every
 passage token, so that path runs the whole body: the last layer over all T tokens instead of N.
 `pooled_layer_states` reads several layers from one pass (the cached states of a layer sweep).
+
+A backbone adapted only above layer F (LoRA on its top layers) is run from cached states: `layers_from(body, F)`
+narrows the body to its layers F+1.. and every function here takes `inputs_embeds` — the output of layer F at
+every token, computed once by the frozen layers below (`hllm.train.state_cache.cached_prefix_states`) — instead
+of `input_ids`. The model's own forward builds the masks and rotary embeddings from them, so the result is the
+full model's (tested: LoRA over cached states against the whole backbone, Llama and Gemma 3).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -74,14 +81,47 @@ def _last_layer_at(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: to
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-def item_hidden_states(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       item_positions: torch.Tensor) -> torch.Tensor:
-    """(B, T) prompt, (B, N) item positions -> (B, N, D) final hidden states at the items.
-    Right padding only (the ranker's prompts): positions are 0..T-1 in every row."""
+@contextlib.contextmanager
+def layers_from(body: nn.Module, start: int) -> Iterator[nn.Module]:
+    """The body narrowed to its decoder layers start+1.. (1-based), for as long as the block runs: fed the output
+    of layer `start` as `inputs_embeds`, it computes what the whole body computes from the prompt. Its config's
+    per-layer lists (`layer_types`: Gemma 3's sliding and full attention) are narrowed with it. `start` 0: the body."""
+    if start == 0:
+        yield body
+        return
+    if not 0 < start < len(body.layers):
+        raise ValueError(f"layers_from: start {start} must lie in 0..{len(body.layers) - 1} (the body's decoder layers)")
+    layers, cfg = body.layers, body.config
+    count, types = cfg.num_hidden_layers, getattr(cfg, "layer_types", None)
+    body.layers = layers[start:]
+    cfg.num_hidden_layers = len(layers) - start
+    if types:
+        cfg.layer_types = types[start:]
+    try:
+        yield body
+    finally:
+        body.layers, cfg.num_hidden_layers = layers, count
+        if types:
+            cfg.layer_types = types
+
+
+def _inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor,
+            read: int) -> dict[str, torch.Tensor]:
+    """The body's keyword inputs cut to the first `read` tokens: the prompt's ids, or the states of a lower layer."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("give exactly one of input_ids and inputs_embeds")
+    tokens = {"input_ids": input_ids[:, :read]} if input_ids is not None else {"inputs_embeds": inputs_embeds[:, :read]}
+    return tokens | {"attention_mask": attention_mask[:, :read]}  # (B, T') T' <= T
+
+
+def item_hidden_states(body: nn.Module, input_ids: torch.Tensor | None, attention_mask: torch.Tensor,
+                       item_positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) prompt (or (B, T, D) `inputs_embeds`: a lower layer's states, under `layers_from`), (B, N) item
+    positions -> (B, N, D) final hidden states at the items. Right padding only (the ranker's prompts)."""
     read = int(item_positions.max()) + 1  # causal: the tokens after the last item cannot reach it
-    input_ids, attention_mask = input_ids[:, :read], attention_mask[:, :read]  # (B, T') T' <= T
+    inputs = _inputs(input_ids, inputs_embeds, attention_mask, read)
     if not supports_items_only(body):
-        h = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T', D)
+        h = body(**inputs, use_cache=False).last_hidden_state  # (B, T', D)
         return h[torch.arange(len(h), device=h.device)[:, None], item_positions]
     last = body.layers[-1]
 
@@ -91,7 +131,7 @@ def item_hidden_states(body: nn.Module, input_ids: torch.Tensor, attention_mask:
 
     handle = last.register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        body(**inputs, use_cache=False)
         raise RuntimeError("the decoder body finished without reaching its last layer")
     except _LastLayerInputs as inputs:
         cos, sin = inputs.position_embeddings  # (B or 1, T, d) each
@@ -115,39 +155,52 @@ def span_means(h: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     return weights @ h  # (B, N, D)
 
 
-def _layer_outputs(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   layers: Sequence[int]) -> dict[int, torch.Tensor]:
-    """(B, T) -> {L: (B, T, D)} the output of decoder layer L (1-based) at every token, before the
-    final norm, for each L in `layers`: one forward pass of the body."""
+class _Done(Exception):
+    """Raised after the deepest layer asked for: the layers above it are not run."""
+
+
+def layer_outputs(body: nn.Module, inputs: dict[str, torch.Tensor], layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """The body's keyword inputs (`input_ids` or `inputs_embeds`, `attention_mask`) -> {L: (B, T, D)} the output
+    of decoder layer L (1-based) at every token, before the final norm, for each L in `layers`: one forward
+    pass of the body, stopped after the deepest of them."""
     out: dict[int, torch.Tensor] = {}
+    deepest = max(layers)
 
     def keeper(layer: int):
         def keep(module, args, output):
             out[layer] = output[0] if isinstance(output, tuple) else output
+            if layer == deepest and deepest < len(body.layers):
+                raise _Done
         return keep
 
     handles = [body.layers[layer - 1].register_forward_hook(keeper(layer)) for layer in layers]
     try:
-        body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        body(**inputs, use_cache=False)
+    except _Done:
+        pass
     finally:
         for handle in handles:
             handle.remove()
     return out
 
 
-def pooled_item_states(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
-                       item_spans: torch.Tensor | None, pooling: Pooling = "last") -> torch.Tensor:
-    """(B, T) prompt, (B, N) item positions, (B, N, 2) item spans -> (B, N, P * D) what the head reads,
-    P = len(POOLINGS[pooling]). `last` is `item_hidden_states` (the items-only last layer)."""
+def pooled_item_states(body: nn.Module, input_ids: torch.Tensor | None, attention_mask: torch.Tensor, item_positions: torch.Tensor,
+                       item_spans: torch.Tensor | None, pooling: Pooling = "last",
+                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) prompt (or `inputs_embeds`, under `layers_from`), (B, N) item positions, (B, N, 2) item spans
+    -> (B, N, P * D) what the head reads, P = len(POOLINGS[pooling]). `last` is `item_hidden_states` (the
+    items-only last layer)."""
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; one of {sorted(POOLINGS)}")
     if pooling == "last":
-        return item_hidden_states(body, input_ids, attention_mask, item_positions)
-    return pooled_layer_states(body, input_ids, attention_mask, item_positions, item_spans, pooling, [len(body.layers)])[len(body.layers)]
+        return item_hidden_states(body, input_ids, attention_mask, item_positions, inputs_embeds)
+    return pooled_layer_states(body, input_ids, attention_mask, item_positions, item_spans, pooling, [len(body.layers)],
+                               inputs_embeds)[len(body.layers)]
 
 
-def pooled_layer_states(body: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
-                        item_spans: torch.Tensor | None, pooling: Pooling, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+def pooled_layer_states(body: nn.Module, input_ids: torch.Tensor | None, attention_mask: torch.Tensor, item_positions: torch.Tensor,
+                        item_spans: torch.Tensor | None, pooling: Pooling, layers: Sequence[int],
+                        inputs_embeds: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """The same as `pooled_item_states` of the body cut after each layer L in `layers`, from one forward
     pass: {L: (B, N, P * D)}, every layer's states through the body's final norm (as a body cut at L
     reads them). The last layer runs over all T tokens here, so `last` agrees with the items-only path
@@ -160,11 +213,17 @@ def pooled_layer_states(body: nn.Module, input_ids: torch.Tensor, attention_mask
         raise ValueError(f"pooling {pooling!r} needs item_spans (hllm.model.prompts.collate makes them)")
     last_read = item_positions.max() if item_spans is None else torch.maximum(item_positions.max(), item_spans[..., 1].max() - 1)
     read = int(last_read) + 1  # causal: nothing later matters
-    outputs = _layer_outputs(body, input_ids[:, :read], attention_mask[:, :read], layers)  # {L: (B, T', D)}
-    rows = torch.arange(len(input_ids), device=input_ids.device)[:, None]  # (B, 1)
+    outputs = layer_outputs(body, _inputs(input_ids, inputs_embeds, attention_mask, read), layers)  # {L: (B, T', D)}
+    return {layer: pool_states(body, h, item_positions, item_spans, pooling) for layer, h in outputs.items()}
 
-    def part(h: torch.Tensor, name: str) -> torch.Tensor:  # (B, T', D) -> (B, N, D)
+
+def pool_states(body: nn.Module, h: torch.Tensor, item_positions: torch.Tensor, item_spans: torch.Tensor | None,
+                pooling: Pooling) -> torch.Tensor:
+    """(B, T, D) a layer's output at every token -> (B, N, P * D): each candidate read as `pooling` says, every
+    part through the body's final norm (as a body cut at that layer reads it)."""
+    rows = torch.arange(len(h), device=h.device)[:, None]  # (B, 1)
+
+    def part(name: str) -> torch.Tensor:  # -> (B, N, D)
         return h[rows, item_positions] if name == "last" else span_means(h, item_spans)
 
-    return {layer: torch.cat([body.norm(part(h, p)) for p in POOLINGS[pooling]], dim=-1)  # (B, N, P * D)
-            for layer, h in outputs.items()}
+    return torch.cat([body.norm(part(p)) for p in POOLINGS[pooling]], dim=-1)  # (B, N, P * D)

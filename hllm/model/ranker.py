@@ -28,10 +28,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hllm.config import from_dict, to_dict
-from hllm.model.backbones import (PROVENANCE, ModelConfig, file_sha256, load_backbone, save_backbone, smollm2_gguf_path,
+from hllm.model.backbones import (GGUF_FILES, PROVENANCE, ModelConfig, file_sha256, gguf_path, load_backbone, save_backbone,
                                   weights_dir)
 from hllm.model.heads import HeadConfig, build_head
-from hllm.model.item_states import POOLINGS, Pooling, pooled_item_states
+from hllm.model.item_states import POOLINGS, Pooling, layers_from, pooled_item_states
 from hllm.model.prompts import PromptBuilder, PromptConfig
 
 CONFIG_FILE = "hllm_ranker.json"
@@ -47,7 +47,7 @@ def write_provenance(directory: str | Path, model: ModelConfig, made_by: str, re
     """`provenance.json` of a shipped student: what made it (`made_by`, the whole `recipe`), what it was
     measured at (`measured`), the hashes of its own files and of the base model file it needs."""
     target = Path(directory)
-    base = weights_dir(model) or (smollm2_gguf_path() if model.preset == "smollm2-135m" else None)
+    base = weights_dir(model) or (gguf_path(model.preset) if model.preset in GGUF_FILES else None)
     base_file = base if base is not None and base.is_file() else None
     provenance = {
         "made_by": made_by, "recipe": recipe, **measured,
@@ -91,10 +91,15 @@ class AdaptConfig:
     lora_dropout: float = 0.0  # LoRA dropout while training
     lora_targets: list[str] = field(default_factory=lambda: [  # modules LoRA adapts
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # LoRA on the top this many decoder layers of the (cut) backbone only; None: every layer. The layers below
+    # stay frozen, so their output can be computed once per prompt and cached (`SinglePassRanker.frozen_below`)
+    lora_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode == "lora" and self.lora_r < 1:
             raise ValueError("adapt.lora_r must be >= 1")
+        if self.lora_layers is not None and self.lora_layers < 1:
+            raise ValueError("adapt.lora_layers must be >= 1 (the top layers adapted), or null for all")
 
 
 @dataclass
@@ -146,8 +151,13 @@ def peft_on_transformers():
 
 def adapt_backbone(model: nn.Module, cfg: AdaptConfig) -> nn.Module:
     if cfg.mode == "lora":
+        depth = len(model.get_decoder().layers)
+        if cfg.lora_layers is not None and cfg.lora_layers > depth:
+            raise ValueError(f"adapt.lora_layers={cfg.lora_layers} but the (cut) backbone has {depth} decoder layers")
+        top = None if cfg.lora_layers is None else list(range(depth - cfg.lora_layers, depth))
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=list(cfg.lora_targets), bias="none")
+                          target_modules=list(cfg.lora_targets), bias="none", layers_to_transform=top,
+                          layers_pattern="layers" if top else None)
         with peft_on_transformers():
             return get_peft_model(model, lora)
     model.requires_grad_(cfg.mode == "full")
@@ -199,6 +209,25 @@ class SinglePassRanker(nn.Module):
         """(B, T) prompts, (B, N) item positions, (B, N, 2) spans -> (B, N, P * D): what the head reads (and
         `hllm.train.state_cache` keeps), pooled as `cfg.pooling` says."""
         return pooled_item_states(self.body, input_ids, attention_mask, item_positions, item_spans, self.cfg.pooling)
+
+    @property
+    def frozen_below(self) -> int:
+        """The decoder layers under the lowest adapted one: their output never changes while this ranker trains,
+        so it is computed once per prompt (`hllm.train.state_cache.cached_prefix_states`). 0: nothing frozen below."""
+        depth = len(self.body.layers)
+        if self.cfg.adapt.mode == "frozen":
+            return depth
+        if self.cfg.adapt.mode == "lora" and self.cfg.adapt.lora_layers is not None:
+            return depth - self.cfg.adapt.lora_layers
+        return 0
+
+    def item_states_from(self, hidden: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
+                         item_spans: torch.Tensor | None, start: int) -> torch.Tensor:
+        """`item_states` from (B, T, D) the output of decoder layer `start` (cached): only the layers above it run.
+        -> (B, N, P * D), the same as `item_states` of the prompt up to float rounding."""
+        with layers_from(self.body, start) as upper:
+            return pooled_item_states(upper, None, attention_mask, item_positions, item_spans, self.cfg.pooling,
+                                      inputs_embeds=hidden.to(next(self.body.parameters()).dtype))
 
     def score_states(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
         """(B, N, D) item states, (B, N) mask -> (B, N, K) item-position logits: the head alone."""

@@ -10,7 +10,12 @@ The folder is bound to one key (`states_key`): the backbone (preset, path, dtype
 where it is cut (`state_layer`), how each candidate is read (`pooling`), the prompt config, and every
 slate's query, documents and order. A folder made under another key is refused with `StaleStates`,
 never read: states of another model, prompt or candidate list would train a head on what it will
-never see. `cached_layer_states` fills the folders of several cut points (a layer sweep) from one
+never see.
+
+A backbone adapted only in its top layers (LoRA on layers F+1..C) keeps the layers below frozen too:
+`cached_prefix_states` keeps, per prompt, the output of layer F at every token (`hidden`, (T, D) float32)
+— the LoRA student then runs only its adapted layers on it, each training step and each test list —
+and, from the same prefill, the frozen model's item states at its cut (`items`): a frozen probe's input. `cached_layer_states` fills the folders of several cut points (a layer sweep) from one
 prefill per shard, each folder under the key of the ranker cut there.
 """
 
@@ -29,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from hllm.data.cache import fingerprint
 from hllm.model.backbones import weights_id
-from hllm.model.item_states import pooled_layer_states
+from hllm.model.item_states import layer_outputs, pool_states, pooled_layer_states
 from hllm.model.prompts import collate, document_text
 from hllm.model.ranker import RankerConfig, SinglePassRanker
 from hllm.records import RerankRequest
@@ -152,3 +157,79 @@ def _read(directory: Path, slates: Sequence[RerankRequest], shard_slates: int) -
             raise StaleStates(f"{directory}: slate {s.slate_id} has {len(s.candidates)} candidates but "
                               f"{states.shape[0]} cached states")
     return out
+
+
+PREFIX_FILE = "prompt-{:05d}.safetensors"
+
+
+def prefix_key(rcfg: RankerConfig, layer: int, slates: Sequence[RerankRequest]) -> str:
+    """What a prefix cache depends on: the backbone, the layer kept, the frozen cut and pooling of the item
+    states kept beside it, the prompt, and every slate's query, documents and order."""
+    content = [(s.slate_id, s.query.text, [(c.docid, document_text(c)) for c in s.candidates]) for s in slates]
+    return fingerprint("prefix", rcfg.model, weights_id(rcfg.model), layer, rcfg.state_layer, rcfg.pooling, rcfg.prompt, content)
+
+
+class PrefixStates:
+    """A prefix cache read back: per prompt its layer-F output at every token up to its last candidate
+    (`hidden(i)`, (T, D)), the frozen model's item states at its cut (`items(i)`, (N, P * D)), and the
+    prompt's item positions and spans (`encoded(i)`). Loaded one prompt at a time (a 100-passage prompt's
+    states are ~13 MB)."""
+
+    def __init__(self, directory: Path, ranker: SinglePassRanker, slates: Sequence[RerankRequest], layer: int):
+        self.directory, self.slates, self.layer = directory, list(slates), layer
+        self.prompts = ranker.prompts
+
+    def __len__(self) -> int:
+        return len(self.slates)
+
+    def _file(self, i: int) -> dict[str, torch.Tensor]:
+        return load_file(self.directory / PREFIX_FILE.format(i))
+
+    def hidden(self, i: int) -> torch.Tensor:
+        return self._file(i)["hidden"]
+
+    def items(self, i: int) -> torch.Tensor:
+        return self._file(i)["items"]
+
+    def encoded(self, i: int):
+        return self.prompts.encode(self.slates[i], with_answer=False)
+
+
+@torch.inference_mode()
+def compute_prefix(ranker: SinglePassRanker, slate: RerankRequest, layer: int) -> dict[str, torch.Tensor]:
+    """One prompt through the frozen `ranker` (cut at C >= `layer`): {"hidden": (T, D) the output of decoder layer
+    `layer` at its tokens up to the last candidate's, "items": (N, P * D) its item states at C, as `ranker` reads them}."""
+    batch = collate([ranker.prompts.encode(slate, with_answer=False)], ranker.tokenizer.pad_token_id)
+    batch = {k: v.to(ranker.device) for k, v in batch.items()}
+    read = int(torch.maximum(batch["item_positions"].max(), batch["item_spans"][..., 1].max() - 1)) + 1
+    cut = _cut(ranker)
+    outputs = layer_outputs(ranker.body, {"input_ids": batch["input_ids"][:, :read],
+                                          "attention_mask": batch["attention_mask"][:, :read]}, sorted({layer, cut}))
+    items = pool_states(ranker.body, outputs[cut], batch["item_positions"], batch["item_spans"], ranker.cfg.pooling)
+    return {"hidden": outputs[layer][0].float().cpu().contiguous(), "items": items[0].float().cpu().contiguous()}
+
+
+def cached_prefix_states(ranker: SinglePassRanker, slates: Sequence[RerankRequest], layer: int, directory: str | Path,
+                         progress: Callable[[int, int, float], None] | None = None) -> PrefixStates:
+    """Per slate the output of decoder layer `layer` of the frozen `ranker` (and its item states at its cut),
+    read from `directory` where computed before under the same key (`prefix_key`), computed and written one
+    prompt at a time (atomically: a stopped run resumes at the first missing one) where not. Raises
+    `StaleStates` for a folder of another key. `progress(done, total, seconds)` after each prompt computed."""
+    if ranker.cfg.adapt.mode != "frozen":
+        raise ValueError("cached_prefix_states needs the frozen backbone (adapt.mode=frozen): the states it keeps must not train")
+    if not 1 <= layer <= _cut(ranker):
+        raise ValueError(f"prefix layer {layer} must lie in 1..{_cut(ranker)} (the ranker's cut)")
+    directory = Path(directory)
+    _bind(directory, prefix_key(ranker.cfg, layer, slates), len(slates), 1)
+    missing = [i for i in range(len(slates)) if not (directory / PREFIX_FILE.format(i)).is_file()]
+    if missing:
+        log.info("prefix states (layer %d of %d): %d of %d prompts to compute in %s", layer, _cut(ranker), len(missing),
+                 len(slates), directory)
+    t0 = time.perf_counter()
+    for done, i in enumerate(missing, start=1):
+        tmp = directory / f".tmp-{os.getpid()}-{i}.safetensors"
+        save_file(compute_prefix(ranker, slates[i], layer), tmp)
+        os.replace(tmp, directory / PREFIX_FILE.format(i))  # a prompt's file is whole or absent
+        if progress:
+            progress(done, len(missing), time.perf_counter() - t0)
+    return PrefixStates(directory, ranker, slates, layer)
