@@ -9,6 +9,7 @@
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.recipes.realtext
     hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml  # = python -m pipelines.distill_text
+    hllm adaptation --config configs/adaptation/dl19-multistage.yaml   # = python -m pipelines.adaptation
     hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
@@ -277,6 +278,13 @@ def cmd_distilltext(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_adaptation(args: argparse.Namespace) -> int:
+    from pipelines import adaptation
+
+    adaptation.main([f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
+    return 0
+
+
 def cmd_refresh(args: argparse.Namespace) -> int:
     from pipelines import refresh
 
@@ -436,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
     d.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
     d.set_defaults(func=cmd_distilltext)
+
+    a = sub.add_parser("adaptation", help="LoRA students over cached prefill states beside the frozen probe, five first "
+                       "stages, two backbone families, the first-stage guard; MLflow runs (pipelines/adaptation.py)")
+    a.add_argument("--config", required=True, help="YAML config (e.g. configs/adaptation/dl19-multistage.yaml)")
+    a.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
+    a.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
+    a.set_defaults(func=cmd_adaptation)
     return parser
 
 
