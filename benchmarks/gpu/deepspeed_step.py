@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pack", help="the packed SmolLM2 backbone (benchmarks/gpu/pack.py unpack made PACK/backbone)")
+    parser.add_argument("--pack", help="the packed SmolLM2 backbone (benchmarks/gpu/pack.py unpack made PACK/smollm2-135m/backbone)")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
     cfg = load_config(PipelineConfig, None, ["distill.zero_stage=2", f"student.train.steps={args.steps}",
                                              "student.train.batch_size=4", "student.train.warmup_steps=1"])
-    model = ModelConfig(preset="hf", path=str(Path(args.pack) / "backbone"), dtype="float32") if args.pack else \
+    model = ModelConfig(preset="hf", path=str(Path(args.pack) / "smollm2-135m" / "backbone"), dtype="float32") if args.pack else \
         ModelConfig(hidden_size=32, layers=2, heads=2, intermediate_size=64, context_length=512)
     rcfg = RankerConfig(model=model, adapt=AdaptConfig(mode="lora", lora_r=8, lora_alpha=16),
                         head=HeadConfig(positions=8, width=64, num_heads=2), state_layer=4 if args.pack else None)

@@ -109,6 +109,8 @@ class AdaptationConfig:
     guard_weights: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf])
     students: list[StudentSpec] = field(default_factory=list)
     only: Literal["all", "cache"] = "all"  # cache: compute the prefix caches, then stop
+    # a bound on what limits a student: it also ranks this many of its fold's training lists (BM25, whole), in sample
+    in_sample: int = 10
     rel: int = 2
     bootstrap: int = 2000
     seed: int = 0
@@ -344,7 +346,7 @@ def run_student(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, splits: lis
     store.mkdir(parents=True, exist_ok=True)
     key = fold_key(cfg, s)
     matrices: list[np.ndarray | None] = [None] * len(lists.keys)
-    seconds, histories = [], []
+    seconds, histories, in_sample = [], [], []
     train_stages = s.train_stages or cfg.stages
     for f, (train_q, test_q) in enumerate(splits):
         saved = store / f"{s.name}-fold{f}-{key}.npz"
@@ -357,16 +359,25 @@ def run_student(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, splits: lis
         else:
             t0 = time.perf_counter()
             train_lists = lists.of(train_stages, train_q)
+            seen = [i for i in train_lists if lists.keys[i][0] == "bm25"][: cfg.in_sample]
             if s.kind == "lora":
                 ranker, history = train_lora(cfg, s, c, train_lists, device, cfg.seed + f)
                 t_train = time.perf_counter() - t0
-                got = lora_matrices(ranker, c, test_lists)
+                got = lora_matrices(ranker, c, test_lists + seen)
                 del ranker
             else:
-                history, got = [], probe_matrices(cfg, s, c, lists, train_lists, test_lists)
+                history, got = [], probe_matrices(cfg, s, c, lists, train_lists, test_lists + seen)
                 t_train = time.perf_counter() - t0
+            got, seen_got = got[: len(test_lists)], got[len(test_lists):]
+            seen_orders = decode_orders(seen_got)
             meta = {"seconds": time.perf_counter() - t0, "train_seconds": t_train, "train_lists": len(train_lists),
-                    "test_lists": len(test_lists), "history": history}
+                    "test_lists": len(test_lists), "history": history,
+                    "in_sample": {"lists": len(seen), "nDCG@10": float(ndcg10(lists, seen, seen_orders, cfg.rel).mean()) if seen else None,
+                                  "first_stage": float(ndcg10(lists, seen, [list(range(len(lists.slates[i].candidates))) for i in seen],
+                                                              cfg.rel).mean()) if seen else None,
+                                  "teacher": float(ndcg10(lists, seen, [lists.perms[i] for i in seen], cfg.rel).mean()) if seen else None,
+                                  "tau_to_teacher": float(np.mean([kendall_tau(o, lists.perms[i]) for o, i in zip(seen_orders, seen)]))
+                                  if seen else None}}
             tmp = store / f".tmp-{saved.name}"
             with tmp.open("wb") as fh:
                 np.savez(fh, meta=json.dumps(meta), **{str(i): m for i, m in zip(test_lists, got)})
@@ -377,7 +388,8 @@ def run_student(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, splits: lis
             matrices[i] = m
         seconds.append(meta["seconds"])
         histories.append(meta["history"])
-    return {"matrices": matrices, "seconds": seconds, "history": histories}
+        in_sample.append(meta["in_sample"])
+    return {"matrices": matrices, "seconds": seconds, "history": histories, "in_sample": in_sample}
 
 
 def guarded(matrix: np.ndarray, weight: float) -> np.ndarray:
@@ -446,7 +458,9 @@ def summarize(cfg: AdaptationConfig, lists: Lists, results: dict[str, dict], spl
         table[stage] = rows
     return {"queries": len({q for _, q in lists.keys}), "table": table, "guard_weights": guards,
             "fold_seconds": {n: r["seconds"] for n, r in results.items()},
-            "history": {n: [h[-1] if h else {} for h in r["history"]] for n, r in results.items()}}
+            "history": {n: [h[-1] if h else {} for h in r["history"]] for n, r in results.items()},
+            "losses": {n: [[row["loss"] for row in h] for h in r["history"]] for n, r in results.items()},
+            "in_sample": {n: r["in_sample"] for n, r in results.items()}}
 
 
 def run(cfg: AdaptationConfig) -> dict[str, Any]:
@@ -483,7 +497,6 @@ def best(cfg: AdaptationConfig, report: dict, kind: str, gemma: bool = False) ->
 
 def markdown(cfg: AdaptationConfig, r: dict) -> str:
     t = r["table"]
-    names = [n for n in t["bm25"] if n not in ("first_stage", "teacher")]
     lines = [f"# Backbone adaptation on 2 CPU cores: DL19, {r['queries']} queries x {len(cfg.stages)} first stages", "",
              f"nDCG@10 means over the {r['queries']} queries (each tested once: {cfg.folds} teacher-folds by query, a query's lists "
              f"from every stage held out together); teacher: {cfg.teacher}; tau: Kendall's tau to the teacher's order.", ""]
@@ -511,6 +524,21 @@ def markdown(cfg: AdaptationConfig, r: dict) -> str:
         if overall in t[stage]:
             lines.append(f"over {stage}: student {t[stage][overall]['nDCG@10']:.4f} | first stage {t[stage]['first_stage']['nDCG@10']:.4f} "
                          f"| teacher {t[stage]['teacher']['nDCG@10']:.4f}")
+    lines += ["", "## In sample (a bound on what limits each student)", "",
+              f"Each fold's student also ranked up to {cfg.in_sample} BM25 lists of its own training queries; means over the folds.", "",
+              "| student | its training lists: nDCG@10 | first stage | teacher | tau to teacher | out of fold (BM25): nDCG@10 |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for n, folds in r["in_sample"].items():
+        got = [f for f in folds if f["lists"]]
+        if got:
+            mean = lambda k: float(np.mean([f[k] for f in got]))  # noqa: E731
+            lines.append(f"| {n} | {mean('nDCG@10'):.4f} | {mean('first_stage'):.4f} | {mean('teacher'):.4f} | "
+                         f"{mean('tau_to_teacher'):.3f} | {t['bm25'][n]['nDCG@10']:.4f} |")
+    for n, folds in r["losses"].items():
+        curves = [f for f in folds if len(f) >= 10]
+        if curves:
+            lines.append(f"\n{n}: training loss (mean over folds) {np.mean([f[:5] for f in curves]):.4f} over its first 5 steps, "
+                         f"{np.mean([f[-5:] for f in curves]):.4f} over its last 5 ({len(curves[0])} steps a fold).")
     lines += ["", f"student in the `over` lines: {overall} (named in the config before the test folds were read). Seconds a fold: "
               + "; ".join(f"{n} {np.mean(sec):.0f}" for n, sec in r["fold_seconds"].items()) + f"; {r['seconds']:.0f} s in all.", ""]
     return "\n".join(lines) + "\n"
