@@ -162,7 +162,7 @@ def test_the_guard_runs_from_the_student_to_the_first_stage():
 @pytest.mark.slow
 def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog):
     data = _multistage(tmp_path / "data")
-    cfg = _config(tmp_path, data)
+    cfg = _config(tmp_path, data, cross_year=_beir(tmp_path / "other", queries=3, docs=8))
     report = adaptation.run(cfg)
     text = (tmp_path / "adaptation.md").read_text()
     assert "share kept, lora: " in text and "share kept, frozen probe: " in text
@@ -173,6 +173,8 @@ def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog)
     assert "probe" not in table["dense"] and "lora" in table["dense"]  # the probe ranks only its test_stages
     assert table["bm25"]["teacher"]["tau_to_teacher"] == pytest.approx(1.0)
     assert all(len(row["per_query"]) == 8 for rows in table.values() for row in rows.values())
+    x = report["cross_year"]
+    assert x["student"] == "lora" and x["queries"] == 3 and 0.0 <= x["raw"] <= 1.0 and "Cross-year: lora" in text
     assert set(report["guard_weights"]["lora"]) == {"bm25", "dense"} and len(report["guard_weights"]["lora"]["dense"]) == 2
     folds = sorted((tmp_path / "run" / "folds").glob("*.npz"))
     assert len(folds) == 4  # two students x two folds

@@ -117,6 +117,8 @@ class AdaptationConfig:
     report_to: str | None = None  # the report's markdown is also written here (e.g. reports/adaptation.md)
     # the student the `over <stage>` lines report, with the first-stage guard: named before the test folds are read
     headline: str = "smollm2-lora"
+    # another year's BEIR folder (its BM25 run): the headline student, trained on every query here, ranks it once
+    cross_year: str | None = None
 
     def __post_init__(self) -> None:
         if not self.students:
@@ -309,25 +311,31 @@ def lora_matrices(ranker: SinglePassRanker, c: Caches, index: list[int]) -> list
     return out
 
 
-def probe_matrices(cfg: AdaptationConfig, s: StudentSpec, c: Caches, lists: Lists, train_lists: list[int],
-                   test_lists: list[int]) -> list[np.ndarray]:
-    """The shipped probe's recipe refitted on `train_lists` (the mean half of the cached item states at C; the teacher's
-    whole order graded as its recipe does), scoring `test_lists`."""
+def probe_items(c: Caches, slates: list[RerankRequest], perms: list[list[int]] | None, index: list[int]) -> list[StateSlate]:
+    """Lists `index` as the probe reads them: the mean half of the frozen item states at the cut, with the teacher's
+    whole order graded as the shipped recipe does (where `perms` are given)."""
+    items = []
+    for i in index:
+        states = c.lists.items(c.at[i])  # (N, 2D): last | mean
+        perm = perms[i] if perms is not None else None
+        items.append(StateSlate(slates[i], states[:, states.shape[1] // 2:], perm,
+                                None if perm is None else [float(g) for g in teacher_grades(perm, len(perm))]))
+    return items
+
+
+def probe_matrices(cfg: AdaptationConfig, s: StudentSpec, train: list[StateSlate], test: list[StateSlate]) -> list[np.ndarray]:
+    """The shipped probe's recipe (its pooling, ridge weight and prior scale, read from its folder) refitted on `train`,
+    scoring `test`: a head alone, over cached states."""
+    from hllm.model.heads import build_head
+
     shipped = ShippedProbe.load()
     rcfg = dataclasses.replace(shipped.ranker, model=s.model, state_layer=s.state_layer,
                                head=dataclasses.replace(shipped.ranker.head, positions=s.head.positions), window=cfg.top_n)
     head_only = SinglePassRanker.__new__(SinglePassRanker)  # no backbone: the head reads cached states
     torch.nn.Module.__init__(head_only)
-    width = c.lists.items(c.at[train_lists[0]]).shape[1] // 2
-    from hllm.model.heads import build_head
-    head_only.cfg, head_only.head = rcfg, build_head(width, rcfg.head)
-
-    def items(index: list[int], with_target: bool) -> list[StateSlate]:
-        return [StateSlate(lists.slates[i], c.lists.items(c.at[i])[:, width:], lists.perms[i] if with_target else None,
-                           [float(g) for g in teacher_grades(lists.perms[i], len(lists.perms[i]))] if with_target else None)
-                for i in index]
-    shipped.fit(head_only, items(train_lists, True))
-    return score_state_slates(head_only, items(test_lists, False))
+    head_only.cfg, head_only.head = rcfg, build_head(train[0].states.shape[1], rcfg.head)
+    shipped.fit(head_only, train)
+    return score_state_slates(head_only, test)
 
 
 def fold_key(cfg: AdaptationConfig, s: StudentSpec) -> str:
@@ -366,7 +374,8 @@ def run_student(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, splits: lis
                 got = lora_matrices(ranker, c, test_lists + seen)
                 del ranker
             else:
-                history, got = [], probe_matrices(cfg, s, c, lists, train_lists, test_lists + seen)
+                history, got = [], probe_matrices(cfg, s, probe_items(c, lists.slates, lists.perms, train_lists),
+                                                  probe_items(c, lists.slates, None, test_lists + seen))
                 t_train = time.perf_counter() - t0
             got, seen_got = got[: len(test_lists)], got[len(test_lists):]
             seen_orders = decode_orders(seen_got)
@@ -463,6 +472,39 @@ def summarize(cfg: AdaptationConfig, lists: Lists, results: dict[str, dict], spl
             "in_sample": {n: r["in_sample"] for n, r in results.items()}}
 
 
+def cross_year(cfg: AdaptationConfig, lists: Lists, oof: list[np.ndarray | None], device: torch.device) -> dict[str, Any]:
+    """The headline student trained on every query's lists, ranking `cfg.cross_year`'s BM25 lists (never trained on);
+    its guard weight the one the BM25 lists' out-of-fold matrices chose over all folds."""
+    s = next(t for t in cfg.students if t.name == cfg.headline)
+    c = caches(cfg, s, lists, device)
+    other = read_beir(Path(cfg.cross_year), top_n=cfg.top_n)
+    rcfg, layer = cache_config(cfg, s), prefix_layer(cfg, s)
+    frozen = SinglePassRanker.build(rcfg).to(device).eval()
+    folder = Path(cfg.output_dir) / "prefix" / f"{s.model.preset}-C{s.state_layer}-F{layer}-{Path(cfg.cross_year).name}-{prefix_key(rcfg, layer, other)}"
+    away = Caches(cached_prefix_states(frozen, other, layer, folder, lambda d, n, sec: d % 10 == 0 and log.info(
+        "  cross-year lists: %d/%d prompts (%.0fs)", d, n, sec)), {i: i for i in range(len(other))}, None, [], [])
+    del frozen
+    everything = lists.of(s.train_stages or cfg.stages, {q for _, q in lists.keys})
+    t0 = time.perf_counter()
+    if s.kind == "lora":
+        ranker, _ = train_lora(cfg, s, c, everything, device, cfg.seed)
+        mats = lora_matrices(ranker, away, list(range(len(other))))
+    else:
+        mats = probe_matrices(cfg, s, probe_items(c, lists.slates, lists.perms, everything),
+                              probe_items(away, other, None, list(range(len(other)))))
+    bm25 = [i for i in lists.of(["bm25"], {q for _, q in lists.keys}) if oof[i] is not None]
+    w = max(cfg.guard_weights, key=lambda w: (round(float(ndcg10(lists, bm25, decode_orders([guarded(oof[i], w) for i in bm25]),
+                                                                  cfg.rel).mean()), 6), w))
+    every = list(range(len(other)))
+    mean = lambda orders: float(np.mean(list(per_query(other, orders, cfg.rel)["nDCG@10"].values())))  # noqa: E731
+    got = {"collection": Path(cfg.cross_year).name, "student": s.name, "queries": len(other), "seconds": time.perf_counter() - t0,
+           "first_stage": mean([list(range(len(o.candidates))) for o in other]), "raw": mean(decode_orders(mats)),
+           "guard_weight": w, "guarded": mean(decode_orders([guarded(m, w) for m in mats])), "trained_on_lists": len(everything)}
+    log.info("cross-year %s (%d queries): first stage %.4f, %s %.4f, with the guard (w=%s) %.4f", got["collection"], len(every),
+             got["first_stage"], s.name, got["raw"], w, got["guarded"])
+    return got
+
+
 def run(cfg: AdaptationConfig) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -479,7 +521,10 @@ def run(cfg: AdaptationConfig) -> dict[str, Any]:
     if cfg.only == "cache":
         log.info("caches ready in %.0f s", time.perf_counter() - t0)
         return {}
-    report = {"config": to_dict(cfg), "seconds": time.perf_counter() - t0} | summarize(cfg, lists, results, splits)
+    report = {"config": to_dict(cfg)} | summarize(cfg, lists, results, splits)
+    if cfg.cross_year:
+        report["cross_year"] = cross_year(cfg, lists, results[cfg.headline]["matrices"], device)
+    report["seconds"] = time.perf_counter() - t0
     (out / "report.json").write_text(json.dumps(report, indent=2))
     text = markdown(cfg, report)
     (out / "report.md").write_text(text)
@@ -524,6 +569,12 @@ def markdown(cfg: AdaptationConfig, r: dict) -> str:
         if overall in t[stage]:
             lines.append(f"over {stage}: student {t[stage][overall]['nDCG@10']:.4f} | first stage {t[stage]['first_stage']['nDCG@10']:.4f} "
                          f"| teacher {t[stage]['teacher']['nDCG@10']:.4f}")
+    if "cross_year" in r:
+        x = r["cross_year"]
+        lines += ["", f"Cross-year: {x['student']} trained on every DL19 query's lists ({x['trained_on_lists']}), ranking "
+                  f"{x['collection']}'s BM25 top {cfg.top_n} ({x['queries']} queries, never trained on): first stage "
+                  f"{x['first_stage']:.4f}, student {x['raw']:.4f}, with the guard (w = {x['guard_weight']}, chosen on DL19's "
+                  f"out-of-fold BM25 lists) {x['guarded']:.4f}."]
     lines += ["", "## In sample (a bound on what limits each student)", "",
               f"Each fold's student also ranked up to {cfg.in_sample} BM25 lists of its own training queries; means over the folds.", "",
               "| student | its training lists: nDCG@10 | first stage | teacher | tau to teacher | out of fold (BM25): nDCG@10 |",
