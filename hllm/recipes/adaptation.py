@@ -588,8 +588,9 @@ def markdown(cfg: AdaptationConfig, r: dict) -> str:
     for n, folds in r["losses"].items():
         curves = [f for f in folds if len(f) >= 10]
         if curves:
+            per_step = np.mean([h["elapsed_s"] / h["step"] for h in r["history"][n] if h])
             lines.append(f"\n{n}: training loss (mean over folds) {np.mean([f[:5] for f in curves]):.4f} over its first 5 steps, "
-                         f"{np.mean([f[-5:] for f in curves]):.4f} over its last 5 ({len(curves[0])} steps a fold).")
+                         f"{np.mean([f[-5:] for f in curves]):.4f} over its last 5 ({len(curves[0])} steps a fold, {per_step:.1f} s a step).")
     lines += ["", f"student in the `over` lines: {overall} (named in the config before the test folds were read). Seconds a fold: "
               + "; ".join(f"{n} {np.mean(sec):.0f}" for n, sec in r["fold_seconds"].items()) + f"; {r['seconds']:.0f} s in all.", ""]
     return "\n".join(lines) + "\n"
