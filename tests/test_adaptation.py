@@ -162,7 +162,10 @@ def test_the_guard_runs_from_the_student_to_the_first_stage():
 @pytest.mark.slow
 def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog):
     data = _multistage(tmp_path / "data")
-    cfg = _config(tmp_path, data, cross_year=_beir(tmp_path / "other", queries=3, docs=8))
+    csv_path = tmp_path / "real_data.csv"
+    csv_path.write_text("collection,queries,split,method,nDCG@10,MRR@10,teacher,tau_to_teacher,share_kept,share_kept_ci95\n"
+                        "x,1,adaptation-bm25,stale,0.1,0.1,,,,\nx,1,teacher-folds,kept,0.2,0.2,,,,\n")
+    cfg = _config(tmp_path, data, cross_year=_beir(tmp_path / "other", queries=3, docs=8), csv_to=csv_path)
     report = adaptation.run(cfg)
     text = (tmp_path / "adaptation.md").read_text()
     assert "share kept, lora: " in text and "share kept, frozen probe: " in text
@@ -173,6 +176,9 @@ def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog)
     assert "probe" not in table["dense"] and "lora" in table["dense"]  # the probe ranks only its test_stages
     assert table["bm25"]["teacher"]["tau_to_teacher"] == pytest.approx(1.0)
     assert all(len(row["per_query"]) == 8 for rows in table.values() for row in rows.values())
+    rows = csv_path.read_text().splitlines()
+    assert "x,1,teacher-folds,kept,0.2,0.2,,,," in rows and not any(",stale," in r for r in rows)  # its own rows replaced
+    assert any(r.startswith("data,8,adaptation-dense,lora+guard,") for r in rows)
     x = report["cross_year"]
     assert x["student"] == "lora" and x["queries"] == 3 and 0.0 <= x["raw"] <= 1.0 and "Cross-year: lora" in text
     assert set(report["guard_weights"]["lora"]) == {"bm25", "dense"} and len(report["guard_weights"]["lora"]["dense"]) == 2

@@ -119,6 +119,7 @@ class AdaptationConfig:
     headline: str = "smollm2-lora"
     # another year's BEIR folder (its BM25 run): the headline student, trained on every query here, ranks it once
     cross_year: str | None = None
+    csv_to: str | None = None  # its rows (split `adaptation-<stage>`) replace their earlier ones in this CSV (reports/real_data.csv)
 
     def __post_init__(self) -> None:
         if not self.students:
@@ -456,8 +457,9 @@ def summarize(cfg: AdaptationConfig, lists: Lists, results: dict[str, dict], spl
             got = [orders[i] for i in index]
             if any(o is None for o in got):
                 continue  # a student that did not rank this stage's lists
-            nd = ndcg10(lists, index, got, cfg.rel)
-            rows[name] = {"nDCG@10": float(nd.mean()), "per_query": nd.tolist(),
+            pq = per_query([lists.slates[i] for i in index], got, cfg.rel)
+            nd = np.array([pq["nDCG@10"][lists.keys[i][1]] for i in index])
+            rows[name] = {"nDCG@10": float(nd.mean()), "MRR@10": float(np.mean(list(pq["MRR@10"].values()))), "per_query": nd.tolist(),
                           "tau_to_teacher": float(np.mean([kendall_tau(o, lists.perms[i]) for o, i in zip(got, index)]))}
         first, teach = np.array(rows["first_stage"]["per_query"]), np.array(rows["teacher"]["per_query"])
         for name in rows:
@@ -530,7 +532,32 @@ def run(cfg: AdaptationConfig) -> dict[str, Any]:
     (out / "report.md").write_text(text)
     if cfg.report_to:
         Path(cfg.report_to).write_text(text)
+    if cfg.csv_to:
+        write_rows(cfg, report, Path(cfg.csv_to))
     return report
+
+
+CSV_HEADER = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "teacher", "tau_to_teacher", "share_kept", "share_kept_ci95"]
+
+
+def write_rows(cfg: AdaptationConfig, report: dict[str, Any], path: Path) -> None:
+    """One row per (stage, method) under split `adaptation-<stage>`, replacing that split's earlier rows in `path`."""
+    import csv
+
+    rows = []
+    for stage, table in report["table"].items():
+        for name, row in table.items():
+            share = row.get("share_kept")
+            rows.append([Path(cfg.data).name, report["queries"], f"adaptation-{stage}", name, f"{row['nDCG@10']:.4f}",
+                         f"{row['MRR@10']:.4f}", cfg.teacher, f"{row['tau_to_teacher']:.4f}",
+                         f"{share['share']:.4f}" if share else "", f"{share['ci_low']:.4f}..{share['ci_high']:.4f}" if share else ""])
+    if "cross_year" in report:
+        x = report["cross_year"]
+        for name, value in (("first_stage", x["first_stage"]), (x["student"], x["raw"]), (x["student"] + "+guard", x["guarded"])):
+            rows.append([x["collection"], x["queries"], "adaptation-cross-year", name, f"{value:.4f}", "", "", "", "", ""])
+    kept = [r for r in csv.reader(path.open()) if r and not r[2].startswith("adaptation-")] if path.exists() else [CSV_HEADER]
+    with path.open("w", newline="") as fh:
+        csv.writer(fh).writerows(kept + rows)
 
 
 def best(cfg: AdaptationConfig, report: dict, kind: str, gemma: bool = False) -> str | None:
