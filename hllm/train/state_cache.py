@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hllm.data.cache import fingerprint
@@ -182,14 +183,15 @@ class PrefixStates:
     def __len__(self) -> int:
         return len(self.slates)
 
-    def _file(self, i: int) -> dict[str, torch.Tensor]:
-        return load_file(self.directory / PREFIX_FILE.format(i))
+    def _tensor(self, i: int, name: str) -> torch.Tensor:
+        with safe_open(self.directory / PREFIX_FILE.format(i), framework="pt") as f:  # reads that tensor only
+            return f.get_tensor(name)
 
     def hidden(self, i: int) -> torch.Tensor:
-        return self._file(i)["hidden"]
+        return self._tensor(i, "hidden")
 
     def items(self, i: int) -> torch.Tensor:
-        return self._file(i)["items"]
+        return self._tensor(i, "items")
 
     def encoded(self, i: int):
         return self.prompts.encode(self.slates[i], with_answer=False)
