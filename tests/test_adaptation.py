@@ -125,7 +125,8 @@ def _config(tmp_path: Path, data: Path, **extra) -> adaptation.AdaptationConfig:
     overrides = [f"output_dir={tmp_path / 'run'}", f"data={data}", "stages=[bm25, dense]", "strong_stages=[dense]",
                  "teacher=teach", "prompt={template: rankgpt-query, max_doc_tokens: 8}", "folds=2", "sub_items=4",
                  "subs_per_list=2", "bootstrap=100", "headline=lora", f"report_to={tmp_path / 'adaptation.md'}",
-                 "students=[" + ", ".join([student % ("lora", "lora", ""), student % ("probe", "probe", ", train_stages: [bm25], test_stages: [bm25]")])
+                 "students=[" + ", ".join([student % ("lora", "lora", ""), student % ("probe", "probe", ", train_stages: [bm25], test_stages: [bm25]"),
+                                           student % ("warm", "lora", ", head_init: probe")])
                  + "]"] + [f"{k}={v}" for k, v in extra.items()]
     return load_config(adaptation.AdaptationConfig, None, overrides)
 
@@ -172,7 +173,7 @@ def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog)
     for stage in ("bm25", "dense"):
         assert f"over {stage}: student " in text
     table = report["table"]
-    assert set(table["bm25"]) == {"first_stage", "teacher", "lora", "lora+guard", "probe", "probe+guard"}
+    assert set(table["bm25"]) == {"first_stage", "teacher", "lora", "lora+guard", "probe", "probe+guard", "warm", "warm+guard"}
     assert "probe" not in table["dense"] and "lora" in table["dense"]  # the probe ranks only its test_stages
     assert table["bm25"]["teacher"]["tau_to_teacher"] == pytest.approx(1.0)
     assert all(len(row["per_query"]) == 8 for rows in table.values() for row in rows.values())
@@ -183,7 +184,7 @@ def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog)
     assert x["student"] == "lora" and x["queries"] == 3 and 0.0 <= x["raw"] <= 1.0 and "Cross-year: lora" in text
     assert set(report["guard_weights"]["lora"]) == {"bm25", "dense"} and len(report["guard_weights"]["lora"]["dense"]) == 2
     folds = sorted((tmp_path / "run" / "folds").glob("*.npz"))
-    assert len(folds) == 4  # two students x two folds
+    assert len(folds) == 6  # three students x two folds
     with np.load(folds[0]) as z:
         meta = json.loads(str(z["meta"]))
     assert meta["test_lists"] > 0
@@ -195,6 +196,10 @@ def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog)
     assert "lora fold 1/2: read from" in caplog.text and lora_fold.is_file()
     assert again["table"]["bm25"]["lora"]["nDCG@10"] == pytest.approx(table["bm25"]["lora"]["nDCG@10"], abs=1e-6)
     assert again["table"]["bm25"]["probe"] == table["bm25"]["probe"]
+    # the warm-started LoRA student starts from the probe's fit: its head is the probe's kind, on the probe's pooling
+    warm = next(st for st in cfg.students if st.name == "warm")
+    rc = adaptation.lora_config(cfg, warm)
+    assert rc.head.kind == "utility" and rc.pooling == "mean" and rc.adapt.lora_layers == 2
 
 
 @pytest.mark.slow
@@ -228,10 +233,10 @@ def test_a_finished_run_is_recorded_in_mlflow_with_a_child_per_student(tmp_path)
     assert cli(["adaptation", "--config", str(config), "--report", str(tmp_path / "run" / "report.json"), store]) in (0, None)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["hllm-adaptation"])
-    assert sorted(runs["tags.mlflow.runName"]) == ["adaptation", "lora", "probe"]
+    assert sorted(runs["tags.mlflow.runName"]) == ["adaptation", "lora", "probe", "warm"]
     child = runs[runs["tags.mlflow.runName"] == "lora"].iloc[0]
     assert 0.0 <= child["metrics.bm25.raw.nDCG_at_10"] <= 1.0 and "metrics.dense.guarded.share_kept.share" in runs
     assert child["tags.ablation.backbone"] == "tiny"
     # a report made under another config is refused (a usage error, nothing recorded)
     assert cli(["adaptation", "--config", str(config), "--report", str(tmp_path / "run" / "report.json"), "folds=3", store]) == 2
-    assert len(mlflow.search_runs(experiment_names=["hllm-adaptation"])) == 3
+    assert len(mlflow.search_runs(experiment_names=["hllm-adaptation"])) == 4

@@ -85,6 +85,9 @@ class StudentSpec:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=40, batch_size=8, lr=2e-4, head_lr=1e-3,
                                                                    warmup_steps=5, log_every=10, autocast_bf16=False))
     loss: dict[str, float] = field(default_factory=lambda: {"sinkhorn_ce": 1.0})
+    # lora: "probe" starts from the shipped probe's fit on the fold's training lists (its utility head, pooling and
+    # closed-form weights over the frozen states), then LoRA and that head train on; "none": `head` from scratch
+    head_init: Literal["none", "probe"] = "none"
 
     def __post_init__(self) -> None:
         if self.kind == "lora" and not 1 <= self.lora_layers <= self.state_layer:
@@ -119,6 +122,7 @@ class AdaptationConfig:
     headline: str = "smollm2-lora"
     # another year's BEIR folder (its BM25 run): the headline student, trained on every query here, ranks it once
     cross_year: str | None = None
+    notes: list[str] = field(default_factory=list)  # variants tried and stopped, said in the report (never silently dropped)
     csv_to: str | None = None  # its rows (split `adaptation-<stage>`) replace their earlier ones in this CSV (reports/real_data.csv)
 
     def __post_init__(self) -> None:
@@ -195,14 +199,18 @@ def sub_slates(lists: Lists, index: list[int], m: int, count: int, seed: int) ->
 
 
 def lora_config(cfg: AdaptationConfig, s: StudentSpec) -> RankerConfig:
+    head, pooling = s.head, "last+mean"
+    if s.head_init == "probe":  # the shipped probe's head and pooling, K as the student's
+        shipped = ShippedProbe.load().ranker
+        head, pooling = dataclasses.replace(shipped.head, positions=s.head.positions), shipped.pooling
     return RankerConfig(model=s.model, adapt=AdaptConfig(mode="lora", lora_r=s.lora_r, lora_alpha=2 * s.lora_r,
                                                          lora_layers=s.lora_layers),
-                        head=s.head, prompt=cfg.prompt, state_layer=s.state_layer, pooling="last+mean", window=cfg.top_n)
+                        head=head, prompt=cfg.prompt, state_layer=s.state_layer, pooling=pooling, window=cfg.top_n)
 
 
 def cache_config(cfg: AdaptationConfig, s: StudentSpec) -> RankerConfig:
     """The frozen backbone the caches come from: the student's cut, its items read `last+mean` (the probe takes the mean)."""
-    return dataclasses.replace(lora_config(cfg, s), adapt=AdaptConfig(mode="frozen"))
+    return dataclasses.replace(lora_config(cfg, s), adapt=AdaptConfig(mode="frozen"), pooling="last+mean", head=s.head)
 
 
 def prefix_layer(cfg: AdaptationConfig, s: StudentSpec) -> int:
@@ -276,11 +284,14 @@ def prefix_logits(ranker: SinglePassRanker, batch: dict[str, torch.Tensor]) -> t
     return ranker.score_states(items, batch["item_mask"])
 
 
-def train_lora(cfg: AdaptationConfig, s: StudentSpec, c: Caches, train_lists: list[int], device: torch.device,
+def train_lora(cfg: AdaptationConfig, s: StudentSpec, c: Caches, lists: Lists, train_lists: list[int], device: torch.device,
                seed: int) -> tuple[SinglePassRanker, list[dict]]:
     """A LoRA student trained on the sub-slates of `train_lists` over their cached prefix states."""
     torch.manual_seed(seed)
     ranker = SinglePassRanker.build(lora_config(cfg, s)).to(device)
+    if s.head_init == "probe":  # the probe's closed-form fit over the frozen states: LoRA starts where the probe ends
+        with torch.no_grad():
+            ShippedProbe.load().fit(ranker, probe_items(c, lists.slates, lists.perms, train_lists))
     wanted = set(train_lists)
     examples = [j for j, i in enumerate(c.sub_of) if i in wanted]
     loss_cfg = LossConfig(dict(s.loss))
@@ -370,7 +381,7 @@ def run_student(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, splits: lis
             train_lists = lists.of(train_stages, train_q)
             seen = [i for i in train_lists if lists.keys[i][0] == "bm25"][: cfg.in_sample]
             if s.kind == "lora":
-                ranker, history = train_lora(cfg, s, c, train_lists, device, cfg.seed + f)
+                ranker, history = train_lora(cfg, s, c, lists, train_lists, device, cfg.seed + f)
                 t_train = time.perf_counter() - t0
                 got = lora_matrices(ranker, c, test_lists + seen)
                 del ranker
@@ -489,7 +500,7 @@ def cross_year(cfg: AdaptationConfig, lists: Lists, oof: list[np.ndarray | None]
     everything = lists.of(s.train_stages or cfg.stages, {q for _, q in lists.keys})
     t0 = time.perf_counter()
     if s.kind == "lora":
-        ranker, _ = train_lora(cfg, s, c, everything, device, cfg.seed)
+        ranker, _ = train_lora(cfg, s, c, lists, everything, device, cfg.seed)
         mats = lora_matrices(ranker, away, list(range(len(other))))
     else:
         mats = probe_matrices(cfg, s, probe_items(c, lists.slates, lists.perms, everything),
@@ -582,6 +593,8 @@ def markdown(cfg: AdaptationConfig, r: dict) -> str:
                          + (f"{share['share']:.2f} [{share['ci_low']:.2f}, {share['ci_high']:.2f}]" if share else "") + " |")
         lines.append("")
     lora, probe = best(cfg, r, "lora"), best(cfg, r, "probe")
+    if cfg.notes:
+        lines += ["## Variants tried and stopped", ""] + [f"- {n}" for n in cfg.notes] + [""]
     lines += ["## Headline", ""]
     if lora:
         lines.append(f"share kept, lora: {t['bm25'][lora]['share_kept']['share']:.2f}")
