@@ -28,7 +28,7 @@ def test_the_gpu_experiment_runs_end_to_end_at_a_tiny_size(shared_data, tmp_path
     report = json.loads((tmp_path / "backbone_adaptation.json").read_text())
     assert report["queries"] == 43 and set(report["table"]) == {"bm25", "bm25_rm3", "tasb", "ada2", "splade_pp_ed"}
     names = {s["name"] for s in report["config"]["students"]}
-    assert names == {"smollm2-lora", "smollm2-probe", "gemma3-lora", "gemma3-probe"}
+    assert names == {"smollm2-lora", "smollm2-lora-attention", "smollm2-probe", "gemma3-lora", "gemma3-probe"}
     for name in names:
         row = report["table"]["tasb"][name + "+guard"]
         assert 0.0 <= row["nDCG@10"] <= 1.0 and len(row["per_query"]) == 43
