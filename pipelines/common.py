@@ -94,6 +94,36 @@ def parse_job(description: str, argv: list[str] | None = None, configure=None) -
     return cfg, args
 
 
+@dataclass
+class RecipeJob:
+    """What `mlflow_run` records for a recorded recipe's parent run: the recipe's config and where MLflow keeps it."""
+
+    recipe: Any  # the recipe's config dataclass (it has an output_dir)
+    tracking: TrackingConfig
+
+    @property
+    def output_dir(self) -> str:
+        return self.recipe.output_dir
+
+
+def parse_recipe_job(recipe_cls: type, doc: str, default_tracking: list[str], example: str,
+                     argv: list[str] | None = None) -> tuple[Any, TrackingConfig, str | None]:
+    """A recorded recipe's command line (`hllm distilltext`, `hllm adaptation`): `--config FILE`, `--report` (record a
+    finished run's report.json instead of running), `key=value` overrides for the recipe and `tracking.key=value` for
+    MLflow. Logging set up. -> (the recipe's config, the tracking config, the report path or None)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--config", required=True, help=f"YAML (e.g. {example})")
+    parser.add_argument("--report", help="record this finished run's report.json instead of running the recipe")
+    parser.add_argument("overrides", nargs="*", help="key=value for the recipe; tracking.key=value for MLflow")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    tracking = [o.removeprefix("tracking.") for o in args.overrides if o.startswith("tracking.")]
+    recipe = load_config(recipe_cls, args.config, [o for o in args.overrides if not o.startswith("tracking.")])
+    return recipe, load_config(TrackingConfig, None, [*default_tracking, *tracking]), args.report
+
+
 def init_ray(cfg: ClusterConfig) -> None:
     import ray
 

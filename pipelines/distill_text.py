@@ -12,7 +12,6 @@ a CPU); MLflow's store defaults to sqlite under the recipe's output_dir.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -21,25 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hllm.config import load_config, to_dict
+from hllm.config import to_dict
 from hllm.data.cache import fingerprint
 from hllm.recipes.distilltext import DistillTextConfig, Variant, run, summary_lines, trial_name, trials
-from pipelines.common import TrackingConfig, log_metrics, mlflow_run
+from pipelines.common import RecipeJob, TrackingConfig, log_metrics, mlflow_run, parse_recipe_job
 
 log = logging.getLogger("hllm")
 DEFAULT_TRACKING = ["experiment=hllm-distilltext", "registered_model=null"]  # tracking.key=value overrides win
-
-
-@dataclass
-class DistillTextJob:
-    """What `mlflow_run` records for the parent: the recipe's config and where MLflow keeps it."""
-
-    recipe: DistillTextConfig
-    tracking: TrackingConfig
-
-    @property
-    def output_dir(self) -> str:
-        return self.recipe.output_dir
 
 
 @dataclass
@@ -52,7 +39,7 @@ class TrialRun:
     tracking: TrackingConfig
 
 
-def log_report(job: DistillTextJob, report: dict[str, Any]) -> str:
+def log_report(job: RecipeJob, report: dict[str, Any]) -> str:
     """The parent run and one child per trial; -> the parent's run id."""
     import mlflow
 
@@ -90,20 +77,14 @@ def log_report(job: DistillTextJob, report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML (e.g. configs/distilltext/smollm2-dl19-rankvicuna.yaml)")
-    parser.add_argument("--report", help="record this finished run's report.json instead of running the recipe")
-    parser.add_argument("overrides", nargs="*", help="key=value for the recipe; tracking.key=value for MLflow")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    tracking = [o.removeprefix("tracking.") for o in args.overrides if o.startswith("tracking.")]
-    recipe = load_config(DistillTextConfig, args.config, [o for o in args.overrides if not o.startswith("tracking.")])
-    job = DistillTextJob(recipe, load_config(TrackingConfig, None, [*DEFAULT_TRACKING, *tracking]))
+    recipe, tracking, report_path = parse_recipe_job(DistillTextConfig, __doc__, DEFAULT_TRACKING,
+                                                     "configs/distilltext/smollm2-dl19-rankvicuna.yaml", argv)
+    job = RecipeJob(recipe, tracking)
     t0 = time.perf_counter()
-    if args.report:
-        report = json.loads(Path(args.report).read_text())
+    if report_path:
+        report = json.loads(Path(report_path).read_text())
         if report["config"] != fingerprint(recipe):
-            raise ValueError(f"{args.report} was made under another config than {args.config} with these overrides "
+            raise ValueError(f"{report_path} was made under another config than the one given with these overrides "
                              "(its fingerprint differs): run the recipe, or give the config that made it")
     else:
         log.info("config: %s", json.dumps(to_dict(recipe)))

@@ -128,11 +128,11 @@ def test_teacher_grades_and_the_share_of_the_gain_kept():
 def test_mlflow_records_a_parent_and_a_child_per_trial_with_the_reports_figures(distilled):
     import mlflow
 
-    from pipelines.common import TrackingConfig
-    from pipelines.distill_text import DistillTextJob, log_report
+    from pipelines.common import RecipeJob, TrackingConfig
+    from pipelines.distill_text import log_report
 
     cfg, report, tmp_path = distilled
-    parent = log_report(DistillTextJob(cfg, TrackingConfig(experiment="hllm-distilltext", registered_model=None)), report)
+    parent = log_report(RecipeJob(cfg, TrackingConfig(experiment="hllm-distilltext", registered_model=None)), report)
     mlflow.set_tracking_uri(f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}")
     children = mlflow.search_runs(experiment_names=["hllm-distilltext"], output_format="list",
                                   filter_string=f"tags.mlflow.parentRunId = '{parent}'")
