@@ -18,10 +18,12 @@ list by a seed). The same prefill keeps the frozen model's item states at C: the
 runs layers F+1..C with LoRA, the attention head, the Sinkhorn CE and AdamW — the project's loop
 (`hllm.train.loop.train_loop`), no second one.
 
-Students (`students`): `lora` (LoRA r on the top layers + the paper's 2-layer attention head under the rank prior),
-`probe` (the shipped `smollm2-dl19-rankvicuna`'s closed-form probe — its pooling, ridge weight and prior scale read
-from its folder — refitted on each fold's training lists). Settings are a rule fixed in the config before any test
-fold is read (steps and learning rates sized by the measured seconds a step); nothing is chosen on test queries.
+Students (`students`): `lora` (LoRA r on the top layers + the paper's 2-layer attention head under the rank prior, or
+with `head_init: probe` the probe's head started at its closed-form fit on the fold's training lists), `probe` (the
+shipped `smollm2-dl19-rankvicuna`'s closed-form probe — its pooling, ridge weight and prior scale read from its folder —
+refitted on each fold's training lists). Settings are a rule fixed in the config before any test fold is read (steps
+and learning rates sized by the measured seconds a step); nothing is chosen on test queries; a variant stopped is said
+in the report (`notes`).
 
 The first-stage guard (`guard_weights`): a list's (N, K) matrix, standardised, plus w times the rank prior (whose
 unique optimum is the first-stage order); w = inf is the first stage itself. For each fold and each first stage, w is
