@@ -464,7 +464,9 @@ def test_the_online_cascade_answers_with_the_teacher_in_time_and_never_fails_a_r
         slow = burst("slow", 3)
         assert {a["meta"]["answered_by"] for a in slow} == {"student_after_teacher_timeout"}
         waits = [a["meta"]["timings_ms"]["teacher"] for a in slow]
-        assert all(100 <= w < 1000 for w in waits), waits  # the deadline (plus the event loop's turn), not the answer
+        # the deadline (plus the event loop's turn), not the answer; asyncio runs a timer up to its clock resolution
+        # early (a wait of 99.6 ms was seen), so the bound allows 1 ms under
+        assert all(99 <= w < 1000 for w in waits), waits
         deadline, rows = time.time() + 120, []
         while time.time() < deadline and len(rows) < 3:
             time.sleep(1)
