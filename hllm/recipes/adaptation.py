@@ -236,30 +236,33 @@ def group(cfg: AdaptationConfig, s: StudentSpec) -> list[StudentSpec]:
     return [t for t in cfg.students if t.model == s.model and t.state_layer == s.state_layer]
 
 
+def prefix_states(cfg: AdaptationConfig, s: StudentSpec, frozen: SinglePassRanker, slates: list[RerankRequest],
+                  label: str) -> PrefixStates:
+    """`slates`' prefix cache for `s` (its backbone, cut and prefix layer) from the `frozen` cache ranker, in
+    `output_dir/prefix/<preset>-C<cut>-F<layer>-<label>-<key>`, with a progress line every 5%."""
+    layer = prefix_layer(cfg, s)
+    name = f"{s.model.preset}-C{s.state_layer}-F{layer}"
+    every = max(1, len(slates) // 20)
+    folder = Path(cfg.output_dir) / "prefix" / f"{name}-{label}-{prefix_key(frozen.cfg, layer, slates)}"
+    return cached_prefix_states(frozen, slates, layer, folder, lambda done, total, sec: (done % every == 0 or done == total) and log.info(
+        "  %s %s: %d/%d prompts (%.0fs, %.1f s a prompt)", name, label, done, total, sec, sec / done))
+
+
 def caches(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, device: torch.device) -> Caches:
     """The student's prefix caches (shared by every student of the same backbone, cut and prefix layer)."""
-    rcfg = cache_config(cfg, s)
-    ranker = SinglePassRanker.build(rcfg).to(device).eval()
-    layer = prefix_layer(cfg, s)
-    root = Path(cfg.output_dir) / "prefix"
-    name = f"{s.model.preset}-C{s.state_layer}-F{layer}"
-
-    def progress(label: str):
-        every = max(1, len(lists.slates) // 20)
-        return lambda done, total, sec: (done % every == 0 or done == total) and log.info(
-            "  %s %s: %d/%d prompts (%.0fs, %.1f s a prompt)", name, label, done, total, sec, sec / done)
+    ranker = SinglePassRanker.build(cache_config(cfg, s)).to(device).eval()
     everyone = {q for _, q in lists.keys}
     whole_stages = {st for t in group(cfg, s) for st in (t.test_stages or cfg.stages)}
     whole_stages |= {st for t in group(cfg, s) if t.kind == "probe" for st in (t.train_stages or cfg.stages)}
     index = lists.of(sorted(whole_stages), everyone)
     slates = [lists.slates[i] for i in index]
-    whole = cached_prefix_states(ranker, slates, layer, root / f"{name}-lists-{prefix_key(rcfg, layer, slates)}", progress("lists"))
+    whole = prefix_states(cfg, s, ranker, slates, "lists")
     subs, sub_perms, sub_of = None, [], []
     sub_stages = {st for t in group(cfg, s) if t.kind == "lora" for st in (t.train_stages or cfg.stages)}
     if sub_stages:
         sub_of = [i for i in lists.of(sorted(sub_stages), everyone) for _ in range(cfg.subs_per_list)]
         slates, sub_perms = sub_slates(lists, sorted(set(sub_of)), cfg.sub_items, cfg.subs_per_list, cfg.seed)
-        subs = cached_prefix_states(ranker, slates, layer, root / f"{name}-subs-{prefix_key(rcfg, layer, slates)}", progress("sub-slates"))
+        subs = prefix_states(cfg, s, ranker, slates, "subs")
     del ranker
     return Caches(whole, {i: j for j, i in enumerate(index)}, subs, sub_perms, sub_of)
 
@@ -431,13 +434,23 @@ def ndcg10(lists: Lists, index: list[int], orders: list[list[int]], rel: int) ->
     return np.array([got[lists.keys[i][1]] for i in index])
 
 
+def guard_scores(cfg: AdaptationConfig, lists: Lists, matrices: list[np.ndarray | None], index: list[int]
+                 ) -> tuple[dict[float, dict[int, list[int]]], dict[float, dict[int, float]]]:
+    """For each guard weight, lists `index`' guarded orders and their nDCG@10: {w: {list: order}}, {w: {list: nDCG@10}}."""
+    orders = {w: dict(zip(index, decode_orders([guarded(matrices[i], w) for i in index]))) for w in cfg.guard_weights}
+    return orders, {w: dict(zip(index, ndcg10(lists, index, [o[i] for i in index], cfg.rel))) for w, o in orders.items()}
+
+
+def best_weight(cfg: AdaptationConfig, score: dict[float, dict[int, float]], index: list[int]) -> float:
+    """The guard weight with the best mean nDCG@10 over lists `index` (ties: the larger, nearer the first stage)."""
+    return max(cfg.guard_weights, key=lambda w: (round(float(np.mean([score[w][i] for i in index])), 6), w))
+
+
 def guard(cfg: AdaptationConfig, lists: Lists, splits: list[tuple[set[str], set[str]]], matrices: list[np.ndarray | None]
           ) -> tuple[list[list[int] | None], dict[str, list[float]]]:
     """Per list its guarded order, w chosen per fold and stage on the other folds' queries of that stage (lists the
     student did not rank: None). -> (orders, {stage: per fold the weight chosen})."""
-    ranked = [i for i, m in enumerate(matrices) if m is not None]
-    score = {w: dict(zip(ranked, ndcg10(lists, ranked, decode_orders([guarded(matrices[i], w) for i in ranked]), cfg.rel)))
-             for w in cfg.guard_weights}
+    by_weight, score = guard_scores(cfg, lists, matrices, [i for i, m in enumerate(matrices) if m is not None])
     orders: list[list[int] | None] = [None] * len(lists.keys)
     chosen: dict[str, list[float]] = {}
     for stage in cfg.stages:
@@ -445,10 +458,10 @@ def guard(cfg: AdaptationConfig, lists: Lists, splits: list[tuple[set[str], set[
             others = [i for i in lists.of([stage], train_q) if matrices[i] is not None]
             if not others:
                 continue
-            w = max(cfg.guard_weights, key=lambda w: (round(float(np.mean([score[w][i] for i in others])), 6), w))
+            w = best_weight(cfg, score, others)
             chosen.setdefault(stage, []).append(w)
             for i in lists.of([stage], test_q):
-                orders[i] = decode_orders([guarded(matrices[i], w)])[0]
+                orders[i] = by_weight[w][i]
     return orders, chosen
 
 
@@ -493,11 +506,8 @@ def cross_year(cfg: AdaptationConfig, lists: Lists, oof: list[np.ndarray | None]
     s = next(t for t in cfg.students if t.name == cfg.headline)
     c = caches(cfg, s, lists, device)
     other = read_beir(Path(cfg.cross_year), top_n=cfg.top_n)
-    rcfg, layer = cache_config(cfg, s), prefix_layer(cfg, s)
-    frozen = SinglePassRanker.build(rcfg).to(device).eval()
-    folder = Path(cfg.output_dir) / "prefix" / f"{s.model.preset}-C{s.state_layer}-F{layer}-{Path(cfg.cross_year).name}-{prefix_key(rcfg, layer, other)}"
-    away = Caches(cached_prefix_states(frozen, other, layer, folder, lambda d, n, sec: d % 10 == 0 and log.info(
-        "  cross-year lists: %d/%d prompts (%.0fs)", d, n, sec)), {i: i for i in range(len(other))}, None, [], [])
+    frozen = SinglePassRanker.build(cache_config(cfg, s)).to(device).eval()
+    away = Caches(prefix_states(cfg, s, frozen, other, Path(cfg.cross_year).name), {i: i for i in range(len(other))}, None, [], [])
     del frozen
     everything = lists.of(s.train_stages or cfg.stages, {q for _, q in lists.keys})
     t0 = time.perf_counter()
@@ -508,8 +518,7 @@ def cross_year(cfg: AdaptationConfig, lists: Lists, oof: list[np.ndarray | None]
         mats = probe_matrices(cfg, s, probe_items(c, lists.slates, lists.perms, everything),
                               probe_items(away, other, None, list(range(len(other)))))
     bm25 = [i for i in lists.of(["bm25"], {q for _, q in lists.keys}) if oof[i] is not None]
-    w = max(cfg.guard_weights, key=lambda w: (round(float(ndcg10(lists, bm25, decode_orders([guarded(oof[i], w) for i in bm25]),
-                                                                  cfg.rel).mean()), 6), w))
+    w = best_weight(cfg, guard_scores(cfg, lists, oof, bm25)[1], bm25)
     every = list(range(len(other)))
     mean = lambda orders: float(np.mean(list(per_query(other, orders, cfg.rel)["nDCG@10"].values())))  # noqa: E731
     got = {"collection": Path(cfg.cross_year).name, "student": s.name, "queries": len(other), "seconds": time.perf_counter() - t0,
