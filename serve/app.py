@@ -1,7 +1,7 @@
 """Ray Serve reranking API: one prefill + head + decoder per request, batched across requests.
 
+    hllm serve runs/default/student                # or a shipped name, runs:/RUN_ID/student, models:/NAME@ALIAS
     serve run serve/config.yaml                    # or: serve deploy serve/config.yaml
-    python -m serve.app --model runs/default/student         # or --model runs:/RUN_ID/student
 
 `POST /v1/rerank` (also `/rerank`, `/v2/rerank`) speaks the Cohere v2 / Jina / vLLM rerank schema;
 `GET /healthz`, `GET /v1/models`, OpenAPI at `/docs`. Requests that arrive together share one
@@ -10,7 +10,6 @@ message: never a 500. Set `HLLM_API_TOKEN` to require `Authorization: Bearer <to
 """
 
 
-import argparse
 import asyncio
 import hashlib
 import hmac
@@ -20,7 +19,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -248,6 +246,21 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"detail": message})
 
 
+def framework_errors(app: FastAPI, not_found=None) -> None:
+    """The framework's own 4xx (no route for the path, a method the route does not take) in the app's documented error
+    shape: `not_found(message)` shapes a 404 (the many-student app's names the models it serves), `{"detail"}` else."""
+    from starlette.exceptions import HTTPException
+
+    async def handler(request, exc: HTTPException) -> JSONResponse:
+        where = exc.status_code in (404, 405)  # which path or method it was, said
+        message = f"{exc.detail}: {request.method} {request.url.path}" if where else str(exc.detail)
+        if exc.status_code == 404 and not_found is not None:
+            return JSONResponse(status_code=404, content=not_found(request.app, message), headers=exc.headers)
+        return JSONResponse(status_code=exc.status_code, content={"detail": message}, headers=exc.headers)
+
+    app.add_exception_handler(HTTPException, handler)
+
+
 class LimitsAndAuth:
     """Bearer auth, the body-size limit and the served OpenAPI's document limit, as a plain ASGI
     middleware (Starlette's `@app.middleware("http")` wraps every request in extra tasks and
@@ -276,6 +289,7 @@ class LimitsAndAuth:
 
 
 api.add_middleware(LimitsAndAuth)
+framework_errors(api)
 
 
 def _json(response: BaseModel) -> Response:
@@ -638,19 +652,7 @@ def app_builder(args: dict) -> Application:
     return RerankDeployment.bind(parsed.model_dump())
 
 
-def main() -> None:
-    import ray
+if __name__ == "__main__":  # the one command that serves: `hllm serve` (serve/launch.py)
+    from serve.launch import main
 
-    parser = argparse.ArgumentParser(description="Serve a trained student on a local Ray")
-    parser.add_argument("--model", required=True, help="a student folder or a model URI (runs:/..., models:/...)")
-    parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args()
-    thin_ingress()
-    ray.init(include_dashboard=False, dashboard_host="127.0.0.1")
-    start_serve({"host": "127.0.0.1", "port": args.port})
-    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    serve.run(app_builder({"model": model}), blocking=True)
-
-
-if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

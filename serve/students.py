@@ -40,8 +40,8 @@ from ray.serve.handle import DeploymentHandle
 from hllm.recipes.rollout import (NO_ROLLOUT, Decision, ModelCatalog, Rollout, RolloutConfig, Route, UnknownModel,
                                   Window, bucket, pair_agreement, registry_version, write_decision)
 from hllm.reranker import registry_alias
-from serve.app import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, _error, _json, _replica_name, model_card,
-                       replica_args)
+from serve.app import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, _error, _json, _replica_name, framework_errors,
+                       model_card, replica_args)
 from serve.schemas import ModelCard, ModelList, ModelNotFoundBody, RerankBody, RerankResponse, ResultDocument
 
 logger = logging.getLogger("ray.serve")
@@ -260,6 +260,9 @@ class RolloutController:
 router_api = FastAPI(title="hLLM rerank (many students)", version="1",
                      description="Single-pass generative reranking; a request's `model` picks the student")
 router_api.add_middleware(LimitsAndAuth)
+# a path no route matches (e.g. /v1/models/ with no name) is a 404 in the shape the model routes document
+framework_errors(router_api, lambda app, message: {"message": message, "detail": message,
+                                                   "known_models": getattr(app.state, "known_models", [])})
 ROUTER_ERRORS = {**ERRORS, 404: {"model": ModelNotFoundBody, "description": "The request's `model` is not served here "
                                  "(the body lists the names it knows; GET /v1/models lists them too).",
                                  "content": {"application/json": {"example": {
@@ -325,6 +328,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         router_api.state.max_body_bytes = self.args.max_body_bytes
         router_api.state.max_documents = self.args.max_documents
+        router_api.state.known_models = self.catalog.names()
         self.traffic = None
         if self.args.traffic_log is not None:
             from hllm.data.traffic import TrafficLog
