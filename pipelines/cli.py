@@ -5,6 +5,8 @@
     hllm rerank --model M --data DIR --out c.trec --cascade ~25% --cascade-url http://gpu:8000/v1 --teacher-model NAME
     hllm evaluate --run dl19.trec --qrels DIR/qrels/test.tsv
     hllm config show [--config configs/dl19-smollm2.yaml] [key=value ...]
+    hllm serve smollm2-trec-dl                                            # an HTTP rerank endpoint (Ctrl-C stops it)
+    hllm serve main=runs/default/student trec=smollm2-trec-dl --port 8080  # several students behind one endpoint
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.recipes.realtext
@@ -205,13 +207,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from hllm.config import describe, load_config
+    import dataclasses
+
+    from hllm.config import describe, load_config, to_dict
     from pipelines.common import PipelineConfig
+
+    def dumps(value) -> str:  # a key unset by default (None) whose value is a whole config, e.g. student.model
+        return json.dumps(to_dict(value) if dataclasses.is_dataclass(value) else value)
 
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     for key, value, default, doc in describe(PipelineConfig, cfg):
-        shown = json.dumps(value)
-        changed = "" if value == default else f"  (default {json.dumps(default)})"
+        shown = dumps(value)
+        changed = "" if value == default else f"  (default {dumps(default)})"
         print(f"{key} = {shown}{changed}" + (f"\n    {doc}" if doc else ""))
     return 0
 
@@ -255,6 +262,12 @@ def cmd_export_teacher(args: argparse.Namespace) -> int:
           f"{provenance['bootstrap'].get('steps')} steps" + (f"; test nDCG@10 {test['teacher_nDCG@10']:.4f} vs first "
                                                              f"stage {test['first_stage_nDCG@10']:.4f}" if test else "") + ")")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serve import launch
+
+    return launch.run(args)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -420,6 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("run_dir", help="the job's output_dir")
     x.add_argument("--to", help="destination (default: hllm/assets/embedded-teacher)")
     x.set_defaults(func=cmd_export_teacher)
+
+    from serve import launch  # the standard library only until it runs
+
+    v = sub.add_parser("serve", help="serve students over HTTP on Ray Serve (Cohere v2 / Jina / vLLM rerank API)",
+                       formatter_class=fmt, description=launch.__doc__.split("\n\n")[0])
+    launch.add_arguments(v)
+    v.set_defaults(func=cmd_serve)
 
     j = sub.add_parser("run", help="run the whole job (pipelines/full.py) on a local or the current Ray cluster")
     j.add_argument("--config", help="YAML config (default: configs/default.yaml)")

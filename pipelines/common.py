@@ -35,10 +35,16 @@ class ClusterConfig:
     serve_port: int = 8000  # full.py's deployment (bound to 127.0.0.1)
     spread: bool = False  # place teacher actors and train workers on as many nodes as possible
     actor_start_timeout_s: float = 600.0  # an actor pool waits for all its actors before the first batch (0: not)
+    # restarts of a teacher or evaluation actor that died (Ray Data's default: unlimited). 0: the stage fails and a re-run
+    # resumes from the rankings store, shard by shard. > 0 (preemptible nodes): Ray logs an error-level note at each
+    # actor's start that a restart depends on the driver's objects (Ray Data passes its context by reference)
+    actor_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.teacher_actors < 1 or self.train_workers < 1:
             raise ValueError("cluster.teacher_actors and cluster.train_workers must be >= 1")
+        if self.actor_restarts < -1:
+            raise ValueError("cluster.actor_restarts: -1 (unlimited), 0 or more")
 
 
 @dataclass
@@ -82,12 +88,16 @@ def parse_job(description: str, argv: list[str] | None = None, configure=None) -
 
     import torch
 
+    from pipelines import console
+
     parser = argparse.ArgumentParser(description=description)
     if configure:
         configure(parser)
     add_config_args(parser)
+    parser.add_argument("--verbose", action="store_true", help="Ray's, Ray Data's, Ray Train's, Serve's and MLflow's "
+                        f"own logs on the console too (or {console.VERBOSE}=1)")
     args = parser.parse_intermixed_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    console.setup(args.verbose)
     cfg = load_config(PipelineConfig, args.config, args.overrides)
     log.info("config: %s", json.dumps(to_dict(cfg)))
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
@@ -118,25 +128,51 @@ def parse_recipe_job(recipe_cls: type, doc: str, default_tracking: list[str], ex
     parser.add_argument("--report", help="record this finished run's report.json instead of running the recipe")
     parser.add_argument("overrides", nargs="*", help="key=value for the recipe; tracking.key=value for MLflow")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from pipelines import console
+
+    console.setup()
     tracking = [o.removeprefix("tracking.") for o in args.overrides if o.startswith("tracking.")]
     recipe = load_config(recipe_cls, args.config, [o for o in args.overrides if not o.startswith("tracking.")])
     return recipe, load_config(TrackingConfig, None, [*default_tracking, *tracking]), args.report
 
 
 def init_ray(cfg: ClusterConfig) -> None:
+    """Joins `cluster.address` (or RAY_ADDRESS: a `ray job submit` driver), else starts a local Ray. The workers' output
+    and Ray's own INFO lines stay in Ray's session folder (said once) unless HLLM_VERBOSE (pipelines.console)."""
+    from pipelines import console
+
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        console.local_ray_auth()
     import ray
 
     if ray.is_initialized():
         return
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    verbose = console.is_verbose()
+    quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING}
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, **quiet)
     else:  # local: dashboard (and job server) on loopback only
         from serve.app import thin_ingress
 
         thin_ingress()
-        ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, dashboard_host="127.0.0.1")
+        ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, dashboard_host="127.0.0.1", **quiet)
+    import ray.data  # noqa: F401 (configures its logger: quieted next)
+
+    console.quiet_loggers()
+    console.quiet_ray_data()
+    if not verbose:
+        log.info("ray: %s; the workers' output and Ray's logs are in %s (--verbose or %s=1 shows them here)",
+                 address or "a local instance", console.ray_logs(), console.VERBOSE)
+
+
+def actor_options(cfg: ClusterConfig):
+    """`map_batches(ray_remote_args_fn=...)` of a stage's actor pool: its restarts (`cluster.actor_restarts`) and, with
+    `cluster.spread`, its placement. (Ray Data 2.60 deprecates passing these as keyword arguments; the function is the
+    way that stays.)"""
+    options = {"max_restarts": cfg.actor_restarts, "max_task_retries": -1 if cfg.actor_restarts else 0,
+               **({"scheduling_strategy": "SPREAD"} if cfg.spread else {})}
+    return lambda: dict(options)
 
 
 def wait_for_actors(ds: Any, cfg: ClusterConfig) -> None:

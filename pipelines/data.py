@@ -191,14 +191,16 @@ def slates_dataset(cfg: PipelineConfig, ledger: Any) -> Any:
         _assemble_block, fn_kwargs={"data": data, "ledger": ledger}, batch_size=None, batch_format="pyarrow")
 
 
-def run(cfg: PipelineConfig) -> SlateShards:
-    """Writes the slate shards (reused when the data config is unchanged) -> where they are and the stats."""
+def run(cfg: PipelineConfig, say_reused: bool = True) -> SlateShards:
+    """Writes the slate shards (reused when the data config is unchanged) -> where they are and the stats.
+    `say_reused`: log that they were reused (not for a later look-up of the same shards within one job)."""
     import ray
 
     key = fingerprint(cfg.data, STAGE_VERSION)
     directory = Path(cfg.output_dir) / "slates" / key
     if stage_done(directory, key):
-        log.info("data: reusing %s", directory)
+        if say_reused:
+            log.info("data: reusing %s", directory)
         return SlateShards(directory, stage_info(directory)["stats"])
     init_ray(cfg.cluster)
     ledger = ray.remote(num_cpus=0)(Ledger).remote()

@@ -36,6 +36,7 @@ from hllm.config import from_dict, to_dict  # noqa: E402
 from hllm.data import store  # noqa: E402
 from hllm.model.ranker import RankerConfig  # noqa: E402
 from hllm.recipes.stages import EvalReport, Fit, Rankings  # noqa: E402
+from pipelines import console  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics,  # noqa: E402
                               mlflow_run, parse_job, tracking_uri)
 
@@ -177,9 +178,15 @@ def train_func(config: dict[str, Any]) -> None:
             if rank == 0:
                 say(f"distill checkpoint at step {row['step']}: save {t1 - t0:.1f}s, report {time.perf_counter() - t1:.1f}s")
 
-    def progress(step: int, row: dict) -> None:  # the worker's stdout reaches the driver's log
+    relay, last_said = config.get("progress"), [0.0]
+
+    def progress(step: int, row: dict) -> None:  # to the driver's console through the relay queue, every ~15 s
         held_out = f", held-out loss {row['val_loss']:.4f}" if "val_loss" in row else ""
-        say(f"distill step {step}/{t.steps} loss {row['loss']:.4f}{held_out} ({row['elapsed_s']:.0f}s)")
+        line = f"distill step {step}/{t.steps} loss {row['loss']:.4f}{held_out} ({row['elapsed_s']:.0f}s)"
+        say(line)  # the worker's log (Ray's session folder; the console too with --verbose)
+        if relay is not None and (row["elapsed_s"] - last_said[0] >= PROGRESS_EVERY_S or step >= t.steps):
+            last_said[0] = row["elapsed_s"]
+            relay.put(line)
 
     pad = ranker.tokenizer.pad_token_id
     ranker.train()
@@ -191,6 +198,38 @@ def train_func(config: dict[str, Any]) -> None:
                log=progress if rank == 0 else None)
     if mlflow is not None:
         mlflow.end_run()
+
+
+PROGRESS_EVERY_S = 15.0  # the rank-0 worker's progress reaches the driver's console this often (and at the end)
+
+
+class Relay:
+    """Lines from the rank-0 train worker to the driver's log, through a Ray queue drained by a driver thread: the
+    workers' own output stays in Ray's log folder (pipelines.console), their progress does not."""
+
+    def __init__(self):
+        import threading
+
+        from ray.util.queue import Queue
+
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, name="hllm-train-progress", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        from ray.util.queue import Empty
+
+        while not self._stop.is_set() or not self.queue.empty():
+            try:
+                log.info("%s", self.queue.get(timeout=0.5))
+            except Empty:
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.queue.shutdown()
 
 
 def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Path, mlflow_run_id: str | None = None,
@@ -206,12 +245,14 @@ def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Pat
     gpu = cluster_has_gpus(cfg.cluster)
     storage = Path(cfg.output_dir).resolve() / "ray_train"
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hllm_torch_extensions")),
-           "MLFLOW_DISABLE_TELEMETRY": "true"}
+           "MLFLOW_DISABLE_TELEMETRY": "true",
+           "DS_ACCELERATOR": "cuda" if gpu else "cpu"}  # said, not guessed: DeepSpeed warns when it has to guess CPU
+    relay = Relay()
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"job": to_dict(cfg), "ranker": to_dict(rcfg), "val_dir": str(val_dir), "use_gpu": gpu,
                            "mlflow_run_id": mlflow_run_id, "tracking_uri": tracking_uri(cfg),
-                           "init_from": str(init_from.resolve()) if init_from else None},
+                           "init_from": str(init_from.resolve()) if init_from else None, "progress": relay.queue},
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.cluster.train_workers, use_gpu=gpu,
@@ -221,11 +262,16 @@ def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Pat
             name=name, storage_path=str(storage),
             failure_config=ray.train.FailureConfig(max_failures=cfg.distill.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            # Ray Train's INFO lines (a "Reporting training result" dict per report and worker) in its log files only
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if console.is_verbose() else "WARNING"),
             worker_runtime_env={"env_vars": env}),
         datasets={"train": train_dataset(cfg, train_dir)},
         dataset_config=ray.train.DataConfig(execution_options=ingest_options()),
     )
-    return trainer.fit()
+    try:
+        return trainer.fit()
+    finally:
+        relay.close()
 
 
 def ingest_options():

@@ -34,11 +34,13 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
     import requests
     from ray import serve
 
+    from pipelines import console
     from serve.app import app_builder, start_serve
 
+    console.quiet_loggers()  # again: importing Serve configures its logger
     start_serve({"host": "127.0.0.1", "port": cfg.cluster.serve_port})
     serve.run(app_builder({"model": str(student_dir.resolve()), "threads": 1}), name="hllm", route_prefix="/")
-    (slate,) = store.head(data_stage.run(cfg).split_dir("test"), 1)  # the data stage's (reused): one slate read
+    (slate,) = store.head(data_stage.run(cfg, say_reused=False).split_dir("test"), 1)  # the data stage's: one slate read
     body = {"query": slate.query.text, "documents": [c.text for c in slate.candidates], "top_n": 5}
     t0 = time.perf_counter()
     response = requests.post(f"http://127.0.0.1:{cfg.cluster.serve_port}/v1/rerank", json=body, timeout=120)

@@ -68,10 +68,26 @@ def log_student(student_dir: str | Path, registered_name: str | None = None, ali
     uri = f"runs:/{mlflow.active_run().info.run_id}/{artifact_path}"
     if not registered_name:
         return uri
-    registered = mlflow.register_model(uri, registered_name)
+    registered = register(registered_name, artifact_path)
     if alias:
         promote(registered_name, registered.version, alias)
     return f"models:/{registered_name}/{registered.version}"
+
+
+def register(name: str, artifact_path: str):
+    """A new version of the registered model `name` (created if absent) from the active run's `artifact_path`: what
+    `mlflow.register_model` does for a logged pyfunc, without its two lines printed to stderr. -> the ModelVersion."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+
+    client = mlflow.MlflowClient()
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+    run = mlflow.active_run().info.run_id
+    return client.create_model_version(name, mlflow.get_artifact_uri(artifact_path), run_id=run)
 
 
 def pin(uri: str) -> str:

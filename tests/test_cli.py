@@ -267,12 +267,15 @@ def test_config_show_documents_every_key(capsys):
     assert 'teacher.model.preset = "smollm2-135m"  (default "tiny")' in shown and "student.train.steps = 7  (default 300)" in shown
     assert main(["config", "show", "student.nope=1"]) == 2
     assert "nope" in capsys.readouterr().err
+    # a key unset by default whose value is a whole config (it once failed to print: not JSON serializable)
+    assert main(["config", "show", "student.init_from_teacher=false", "student.model.preset=smollm2-135m"]) == 0
+    assert 'student.model = {"preset": "smollm2-135m"' in capsys.readouterr().out
 
 
 def test_the_console_script_and_every_help():
     script = Path(sys.executable).with_name("hllm")
     assert script.exists(), "pip install -e . installs the hllm console script"
-    for argv in ([], ["rerank"], ["evaluate"], ["config", "show"], ["promote"], ["run"]):
+    for argv in ([], ["rerank"], ["evaluate"], ["config", "show"], ["promote"], ["run"], ["serve"]):
         out = subprocess.run([str(script), *argv, "--help"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.startswith("usage: hllm"), out.stderr
     out = subprocess.run([str(script), "rerank"], capture_output=True, text=True, timeout=60)

@@ -57,7 +57,9 @@ def test_local_ray_keeps_dashboard_and_job_server_on_loopback():
     script = (ROOT / "scripts" / "run_local.sh").read_text()
     start = next(line for line in script.splitlines() if line.strip().startswith("ray start"))
     assert "--dashboard-host=127.0.0.1" in start and "--head" in start
-    assert 'ray job submit --address "http://127.0.0.1:' in script
+    assert 'python -m pipelines.submit --address "http://127.0.0.1:' in script  # the job goes to the loopback head
     common = (ROOT / "pipelines" / "common.py").read_text()
-    assert 'ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, dashboard_host="127.0.0.1")' in common
+    assert 'ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, dashboard_host="127.0.0.1", **quiet)' in common
+    launch = (ROOT / "serve" / "launch.py").read_text()  # `hllm serve`'s own Ray: no dashboard, Serve on loopback
+    assert "ray.init(address=args.address, include_dashboard=False" in launch and 'default="127.0.0.1"' in launch
     assert "--dashboard-host=127.0.0.1" in (ROOT / "cluster.yaml").read_text()

@@ -141,6 +141,15 @@ def student_ranker_config(cfg: JobConfig, teacher_model: ModelConfig) -> RankerC
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
 
+def console_logging(verbose: bool = False) -> None:
+    """A command's console: `hllm.*` at INFO as `HH:MM:SS message`, the libraries' INFO only when `verbose` (their
+    warnings always). What the Ray glue adds for Ray's own logs is `pipelines.console`."""
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger().setLevel(level)  # also where a handler was there before (basicConfig then does nothing)
+    logging.getLogger("hllm").setLevel(logging.INFO)
+
+
 def recipe_config(cls: type, doc: str, argv: list[str] | None, example: str):
     """A recipe's command line: `--config FILE` (required) and `key=value` overrides -> its config
     (logging set up, the config logged)."""
@@ -148,7 +157,7 @@ def recipe_config(cls: type, doc: str, argv: list[str] | None, example: str):
     parser.add_argument("--config", required=True, help=f"YAML (e.g. {example}); key=value overrides win")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    console_logging()
     cfg = load_config(cls, args.config, args.overrides)
     logging.getLogger("hllm").info("config: %s", json.dumps(to_dict(cfg)))
     return cfg

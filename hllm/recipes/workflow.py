@@ -21,7 +21,7 @@ import torch
 from hllm.config import load_config, to_dict
 from hllm.data.splits import SPLITS, load_splits
 from hllm.model.backbones import resolve_device
-from hllm.recipes.job import JobConfig, add_config_args
+from hllm.recipes.job import JobConfig, add_config_args, console_logging
 from hllm.recipes.stages import (EvalReport, bootstrap_teacher_stage, evaluate_stage, fit_in_process, load_teacher, rank_in_process,
                                  summary_lines, teacher_rankings_stage, train_student_stage)
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    console_logging()
     cfg = load_config(JobConfig, args.config, args.overrides)
     log.info("config: %s", json.dumps(to_dict(cfg)))
     t0 = time.perf_counter()
