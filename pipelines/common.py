@@ -35,16 +35,10 @@ class ClusterConfig:
     serve_port: int = 8000  # full.py's deployment (bound to 127.0.0.1)
     spread: bool = False  # place teacher actors and train workers on as many nodes as possible
     actor_start_timeout_s: float = 600.0  # an actor pool waits for all its actors before the first batch (0: not)
-    # restarts of a teacher or evaluation actor that died (Ray Data's default: unlimited). 0: the stage fails and a re-run
-    # resumes from the rankings store, shard by shard. > 0 (preemptible nodes): Ray logs an error-level note at each
-    # actor's start that a restart depends on the driver's objects (Ray Data passes its context by reference)
-    actor_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.teacher_actors < 1 or self.train_workers < 1:
             raise ValueError("cluster.teacher_actors and cluster.train_workers must be >= 1")
-        if self.actor_restarts < -1:
-            raise ValueError("cluster.actor_restarts: -1 (unlimited), 0 or more")
 
 
 @dataclass
@@ -164,15 +158,6 @@ def init_ray(cfg: ClusterConfig) -> None:
     if not verbose:
         log.info("ray: %s; the workers' output and Ray's logs are in %s (--verbose or %s=1 shows them here)",
                  address or "a local instance", console.ray_logs(), console.VERBOSE)
-
-
-def actor_options(cfg: ClusterConfig):
-    """`map_batches(ray_remote_args_fn=...)` of a stage's actor pool: its restarts (`cluster.actor_restarts`) and, with
-    `cluster.spread`, its placement. (Ray Data 2.60 deprecates passing these as keyword arguments; the function is the
-    way that stays.)"""
-    options = {"max_restarts": cfg.actor_restarts, "max_task_retries": -1 if cfg.actor_restarts else 0,
-               **({"scheduling_strategy": "SPREAD"} if cfg.spread else {})}
-    return lambda: dict(options)
 
 
 def wait_for_actors(ds: Any, cfg: ClusterConfig) -> None:

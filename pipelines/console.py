@@ -12,7 +12,9 @@ import sys
 VERBOSE = "HLLM_VERBOSE"  # set (to anything but 0/false) for the libraries' own logs on the console
 # libraries whose INFO lines are chatter on a console (their warnings still show)
 LIBRARIES = ("ray", "ray.data", "ray.train", "ray.serve", "ray.tune", "mlflow", "alembic", "deepspeed", "DeepSpeed",
-             "matplotlib", "urllib3", "filelock", "httpx", "py.warnings")
+             "matplotlib", "urllib3", "filelock", "httpx", "py.warnings",
+             # Ray's job client sets these two to INFO itself ("Uploading package", "WebSocket closed")
+             "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk")
 
 
 def is_verbose() -> bool:

@@ -29,8 +29,7 @@ from hllm.data import store  # noqa: E402
 from hllm.data.progress import Progress  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
 from hllm.recipes.stages import Rankings, ScoreTest, EvalSums  # noqa: E402
-from pipelines.common import (PipelineConfig, actor_options, cluster_has_gpus, init_ray, parse_job,  # noqa: E402
-                              wait_for_actors)
+from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, parse_job, wait_for_actors  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.evaluate")
 
@@ -73,7 +72,7 @@ def ray_scorer(cfg: PipelineConfig, teacher_model: ModelConfig) -> ScoreTest:
             fn_constructor_args=(to_dict(cfg), to_dict(teacher_model), str(Path(student_dir).resolve()), gpu),
             batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.cluster.teacher_actors),
             num_gpus=1 if gpu else 0, num_cpus=cfg.cluster.teacher_cpus_per_actor,
-            ray_remote_args_fn=actor_options(cfg.cluster),
+            **({"scheduling_strategy": "SPREAD"} if cfg.cluster.spread else {}),
         )
         progress, total = Progress("evaluation", test.stats["slates"], log), None
         for rows in sums.iter_batches(batch_size=None, batch_format="pyarrow"):

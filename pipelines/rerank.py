@@ -56,9 +56,7 @@ def ray_map_shards(actors: int, cpus_per_actor: float = 1.0, address: str | None
                                                 "queries": sum(map(len, run.shards)), "answers": str(answers_folder(run.out)),
                                                 "workers": size},
             batch_size=None, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=size),
-            num_gpus=1 if gpu else 0, num_cpus=cpus_per_actor,
-            # a failed shard fails the run and a re-run resumes from the shards done: no actor restarts
-            ray_remote_args_fn=lambda: {"max_restarts": 0, "max_task_retries": 0})
+            num_gpus=1 if gpu else 0, num_cpus=cpus_per_actor)
         for row in done.iter_rows():
             progress(int(row["queries"]))
     return map_shards

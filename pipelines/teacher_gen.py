@@ -41,7 +41,7 @@ from hllm.model.backbones import ModelConfig  # noqa: E402
 from hllm.recipes.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
 from hllm.teacher.endpoint import FailureBudget  # noqa: E402
 from pipelines import data as data_stage  # noqa: E402
-from pipelines.common import (PipelineConfig, actor_options, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job,
+from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job,
                               wait_for_actors)  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.teacher_gen")
@@ -117,7 +117,7 @@ def ray_ranker(cfg: PipelineConfig, teacher_model: ModelConfig) -> RankSlates:
             batch_size=batch, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=cfg.cluster.teacher_actors),
             num_gpus=1 if gpu else 0, num_cpus=cfg.cluster.teacher_cpus_per_actor,
-            ray_remote_args_fn=actor_options(cfg.cluster),
+            **({"scheduling_strategy": "SPREAD"} if cfg.cluster.spread else {}),
         )
         progress = Progress(f"teacher rankings {source.split}", source.count - store.index(directory).slates, log)
         peak, batches_by_node = 0.0, {}
