@@ -70,6 +70,32 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_job(ray_local, tmp_path_factory):
+    """The main job's distillation at tiny scale, run once for the session (teacher rankings of every split through
+    Ray Data, Ray Train + DeepSpeed, the streamed evaluation, MLflow, the student registered as hllm-student v1 under
+    @candidate) -> (its config, its overrides, the report, the distill run's id, its output_dir). A test that changes
+    what it made (the flywheel's refresh) works on a copy (`copy_job`)."""
+    from hllm.config import load_config
+    from pipelines import distill
+    from pipelines.common import PipelineConfig
+    from test_pipeline_distill import TINY_JOB
+
+    out = tmp_path_factory.mktemp("tiny_job")
+    cfg = load_config(PipelineConfig, None, TINY_JOB + [f"output_dir={out}"])
+    report, run_id = distill.run(cfg)
+    return cfg, report, run_id, out
+
+
+def copy_job(job_dir: Path, to: Path) -> Path:
+    """A finished job's output folder copied (its MLflow db with it: a registry of its own; the artifacts stay where
+    the db says, in the original's mlartifacts)."""
+    import shutil
+
+    shutil.copytree(job_dir, to, ignore=shutil.ignore_patterns("mlartifacts"), dirs_exist_ok=True)
+    return to
+
+
 def graded_examples(ranker, slates):
     """Student examples from slates alone (no teacher ranking): for graded-label training in tests."""
     from hllm.records import ParseCounts, RankedSlate, TeacherRanking

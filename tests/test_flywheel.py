@@ -18,12 +18,12 @@ from hllm.config import load_config
 from hllm.data.synthetic import SyntheticConfig, generate
 from hllm.data.traffic import request_key
 from hllm.recipes.flywheel import NothingToRefresh
-from pipelines import distill, refresh
+from pipelines import refresh
 from pipelines.common import PipelineConfig
 from pipelines.registry import pin, promote
 
-from conftest import SERVE_PORT
-from test_pipeline_distill import JOB
+from conftest import SERVE_PORT, copy_job
+from test_pipeline_distill import TINY_JOB
 
 pytestmark = pytest.mark.slow
 URL = f"http://127.0.0.1:{SERVE_PORT}/flywheel/v1/rerank"
@@ -65,15 +65,14 @@ def traffic_bodies(n: int, seed: int = 11) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def job(ray_local, tmp_path_factory):
-    """The main job's distillation at tiny scale: the champion, version 1 of hllm-student."""
-    out = tmp_path_factory.mktemp("flywheel")
+def job(tiny_job, tmp_path_factory):
+    """The main job's distillation at tiny scale (the session's, conftest.tiny_job, in a copy of its own: the cycles
+    here add versions and move aliases): the champion, version 1 of hllm-student."""
+    out = copy_job(tiny_job[3], tmp_path_factory.mktemp("flywheel"))
     tracking = f"sqlite:///{out / 'mlflow.db'}"
-    overrides = JOB + [f"output_dir={out}", "student.train.steps=4", "distill.checkpoint_every=100",
-                       f"refresh.log_path={out / 'traffic'}", "refresh.steps=4", "refresh.min_slates=6",
-                       "refresh.lr=0.001", "refresh.tolerance=1.0", "refresh.min_gain=-1.0"]
+    overrides = TINY_JOB + [f"output_dir={out}", f"refresh.log_path={out / 'traffic'}", "refresh.steps=4",
+                            "refresh.min_slates=6", "refresh.lr=0.001", "refresh.tolerance=1.0", "refresh.min_gain=-1.0"]
     cfg = load_config(PipelineConfig, None, overrides)
-    distill.run(cfg)
     mlflow.set_tracking_uri(tracking)
     promote("hllm-student", 1, "champion")
     return cfg, overrides, out, tracking

@@ -36,11 +36,13 @@ JOB = [
 ]
 
 
-def test_distill_with_deepspeed_logs_everything_to_mlflow(ray_local, tmp_path):
-    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=4",
-                                                      "distill.checkpoint_every=2", "cluster.teacher_batch_slates=4",
-                                                      "eval.batch_slates=3"])
-    report, run_id = distill.run(cfg)
+# the session's finished tiny job (conftest.tiny_job): this module checks it, the flywheel refreshes a copy of it
+TINY_JOB = JOB + ["student.train.steps=4", "distill.checkpoint_every=2", "cluster.teacher_batch_slates=4",
+                  "eval.batch_slates=3"]
+
+
+def test_distill_with_deepspeed_logs_everything_to_mlflow(tiny_job):
+    cfg, report, run_id, tmp_path = tiny_job
     # the evaluation streamed through the actor pool (a shard a task) equals the same store evaluated in
     # this process, to the last bit: teacher (and its free decoding), every decoder, calibration
     teacher_model, rankings = teacher_gen.run(cfg, splits=("test",))  # reused
