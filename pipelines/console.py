@@ -33,7 +33,7 @@ def setup(verbose: bool = False) -> bool:
     if not verbose:
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        quiet_loggers()
+    quiet_loggers()
     return verbose
 
 
@@ -46,11 +46,11 @@ def local_ray_auth() -> None:
 
 
 def quiet_loggers() -> None:
-    """The libraries' loggers to WARNING (unless verbose): again after `import ray`, which configures its own."""
-    if is_verbose():
-        return
+    """The libraries' loggers to WARNING, or (verbose) back to the root's level: again after `import ray`, which
+    configures its own."""
+    level = logging.NOTSET if is_verbose() else logging.WARNING
     for name in LIBRARIES:
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).setLevel(level)
 
 
 def quiet_ray_data() -> None:
