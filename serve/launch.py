@@ -101,7 +101,7 @@ def build(p: Plan, replicas: int, api_key_env: str | None, joined: bool):
     from serve.students import students_app
 
     options: dict = {"num_replicas": replicas}
-    if api_key_env and joined:  # a cluster we did not start: the replicas get the key through their runtime env
+    if api_key_env and joined:  # a cluster we did not start: the replica gets the key through its runtime env
         options["ray_actor_options"] = {"num_cpus": 1, "runtime_env": {"env_vars": {
             "HLLM_API_TOKEN": os.environ[api_key_env]}}}
     if p.students is None:
@@ -152,8 +152,11 @@ def run(args: argparse.Namespace) -> int:
     from pipelines import console
 
     p = plan(args.models)
-    verbose = console.setup(args.verbose)
     joined = bool(args.address)
+    if args.api_key_env and joined and p.students is not None:  # its Router would need the key too: code cannot say so
+        raise ValueError("--api-key-env with --address serves one student only: for several, set HLLM_API_TOKEN in "
+                         "the cluster's environment (or the Serve YAML's runtime_env) and leave --api-key-env out")
+    verbose = console.setup(args.verbose)
     if not joined:
         console.local_ray_auth()
     import ray

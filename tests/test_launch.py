@@ -65,6 +65,9 @@ def test_the_command_line_exits_2_with_one_line_and_starts_no_ray(folders, monke
     monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
     assert cli(["serve", "champion", "--api-key-env", "NO_SUCH_KEY_VAR"]) == 2
     assert "NO_SUCH_KEY_VAR: that environment variable is not set" in capsys.readouterr().err
+    monkeypatch.setenv("A_KEY", "k")
+    assert cli(["serve", "a=champion", "b=other", "--api-key-env", "A_KEY", "--address", "ray://elsewhere:10001"]) == 2
+    assert "serves one student only" in capsys.readouterr().err
 
 
 def test_the_printed_routes_name_the_default_model_in_the_curl_line():
