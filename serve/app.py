@@ -248,7 +248,7 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def framework_errors(app: FastAPI, not_found=None) -> None:
     """The framework's own 4xx (no route for the path, a method the route does not take) in the app's documented error
-    shape: `not_found(message)` shapes a 404 (the many-student app's names the models it serves), `{"detail"}` else."""
+    shape: `not_found(app, message)` shapes a 404 (the many-student app's names the models it serves), `{"detail"}` else."""
     from starlette.exceptions import HTTPException
 
     async def handler(request, exc: HTTPException) -> JSONResponse:
