@@ -27,7 +27,8 @@ class ClusterConfig:
     local_cpus: int = 4  # logical CPUs of a local Ray (more than cores, so Data's I/O tasks never starve)
     teacher_actors: int = 2  # Ray Data actors generating teacher rankings (a GPU each where present)
     teacher_cpus_per_actor: float = 1.0  # CPUs reserved per teacher actor
-    data_partitions: int | None = None  # hash partitions of the data stage's two shuffles (None: 2 per cluster CPU)
+    data_partitions: int | None = None  # hash partitions of the data stage's two shuffles (None: by input size below)
+    data_partition_mb: float = 64.0  # None partitions: one per this many MB of input, at most 2 per cluster CPU
     teacher_batch_slates: int = 32  # slates per map_batches batch (and per output shard)
     train_workers: int = 2  # Ray Train workers (DeepSpeed data parallel)
     train_cpus_per_worker: float = 1.0  # CPUs reserved per train worker

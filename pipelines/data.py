@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import resource
 import shutil
 import sys
@@ -31,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
@@ -42,7 +43,9 @@ from hllm.data import plane, store  # noqa: E402
 from hllm.data.cache import fingerprint, mark_done, stage_done, stage_info  # noqa: E402
 from hllm.data.splits import SPLITS, DataConfig, split_of  # noqa: E402
 from hllm.data.synthetic import generate, generate_shard  # noqa: E402
-from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
+
+if TYPE_CHECKING:
+    from pipelines.common import PipelineConfig
 
 log = logging.getLogger("hllm.pipelines.data")
 STAGE_VERSION = 2  # what the stage writes beside the slates (2: per-split id sums, tasks by node)
@@ -166,6 +169,29 @@ def _beir_paths(cfg: DataConfig) -> dict[str, str]:
             "corpus": f"{root}/corpus.jsonl", "queries": f"{root}/queries.jsonl"}
 
 
+def partitions_for(input_bytes: int, partition_mb: float, cpus: int) -> int:
+    """Hash partitions (and read blocks) for a collection of `input_bytes`: one per `partition_mb`, at least 1, at
+    most 2 per CPU. Each partition of a shuffle is an aggregator actor (a worker process of its own): a collection of
+    a few MB is one partition, not one per CPU."""
+    return max(1, min(2 * max(cpus, 1), math.ceil(input_bytes / (partition_mb * 2**20))))
+
+
+def _input_bytes(paths: Any) -> int:
+    """The bytes under each path (a file or a folder of parts; local or any URI pyarrow's filesystems open)."""
+    from pyarrow import fs
+
+    total = 0
+    for path in paths:
+        filesystem, where = fs.FileSystem.from_uri(path) if "://" in path else (fs.LocalFileSystem(), str(Path(path).resolve()))
+        info = filesystem.get_file_info(where)
+        if info.type == fs.FileType.Directory:
+            info = filesystem.get_file_info(fs.FileSelector(where, recursive=True))
+            total += sum(i.size or 0 for i in info if i.type == fs.FileType.File)
+        else:
+            total += info.size or 0  # a missing path reads as 0 here: read_text says what is missing
+    return total
+
+
 def slates_dataset(cfg: PipelineConfig, ledger: Any) -> Any:
     """The plan (lazy): the collection's slate rows with their split; nothing runs until it is written."""
     import ray
@@ -180,10 +206,12 @@ def slates_dataset(cfg: PipelineConfig, ledger: Any) -> Any:
     if cfg.data.source != "beir":
         raise ValueError(f"the Ray data stage reads data.source=beir or synthetic, not {cfg.data.source!r} "
                          "(a rank_llm / hLLM JSONL is one slate a line: pipelines/rerank.py streams those)")
-    partitions = cfg.cluster.data_partitions or 2 * int(ray.cluster_resources().get("CPU", 1))
-    read = {source: ray.data.read_text(path).map_batches(
+    paths = _beir_paths(cfg.data)
+    partitions = cfg.cluster.data_partitions or partitions_for(
+        _input_bytes(paths.values()), cfg.cluster.data_partition_mb, int(ray.cluster_resources().get("CPU", 1)))
+    read = {source: ray.data.read_text(path, override_num_blocks=partitions).map_batches(
                 _parse_block, fn_kwargs={"source": source, "where": path, "ledger": ledger}, batch_format="pyarrow")
-            for source, path in _beir_paths(cfg.data).items()}
+            for source, path in paths.items()}
     # a hash partition holds every row of its keys: the library groups within it (one call per block, not per key)
     with_passages = read["run"].union(read["qrels"], read["corpus"]).repartition(partitions, keys=["docid"]) \
         .map_batches(_attach_block, batch_size=None, batch_format="pyarrow")
@@ -202,6 +230,8 @@ def run(cfg: PipelineConfig, say_reused: bool = True) -> SlateShards:
         if say_reused:
             log.info("data: reusing %s", directory)
         return SlateShards(directory, stage_info(directory)["stats"])
+    from pipelines.common import init_ray  # the driver's: the stage's tasks import this module without the job's config
+
     init_ray(cfg.cluster)
     ledger = ray.remote(num_cpus=0)(Ledger).remote()
     tmp = directory.with_name(f".{key}.{uuid.uuid4().hex[:8]}")
@@ -241,6 +271,8 @@ def _count_rows(folder: Path) -> int:
 def run_logged(cfg: PipelineConfig, parent_run_id: str | None = None) -> SlateShards:
     """`run` as an MLflow run of its own: throughput, the driver's peak, slates, rows read and bad input
     per reason as metrics, an example of each reason as a tag."""
+    from pipelines.common import log_metrics, mlflow_run
+
     with mlflow_run(cfg, "data", parent_run_id):
         result = run(cfg)
         s = result.stats
@@ -254,6 +286,8 @@ def run_logged(cfg: PipelineConfig, parent_run_id: str | None = None) -> SlateSh
 
 
 def main(argv: list[str] | None = None) -> SlateShards:
+    from pipelines.common import parse_job
+
     cfg, _ = parse_job("The data stage: slates from a collection, streamed by Ray Data", argv)
     result = run_logged(cfg)
     s = result.stats

@@ -94,3 +94,16 @@ def test_sharded_embedded_data_is_the_same_whoever_draws_each_shard():
     assert len(set(ids)) == len(ids)
     one = SyntheticConfig(train_slates=7, val_slates=2, test_slates=4, catalogue_size=200)
     assert generate(one)[0]["train"][0].slate_id == "train-00000"  # one shard: the one stream, as always
+
+
+def test_the_data_stage_partitions_by_input_size_not_by_cpus(tmp_path):
+    """Each hash partition is an aggregator actor: a small collection is one partition, a large one up to 2 per CPU."""
+    from pipelines.data import _input_bytes, partitions_for
+
+    assert partitions_for(0, 64, 4) == 1 and partitions_for(10 * 2**20, 64, 4) == 1
+    assert partitions_for(65 * 2**20, 64, 4) == 2 and partitions_for(10 * 2**30, 64, 4) == 8
+    (tmp_path / "parts").mkdir()
+    for i in range(3):
+        (tmp_path / "parts" / f"p{i}.jsonl").write_bytes(b"x" * 100)
+    (tmp_path / "run.tsv").write_bytes(b"y" * 50)
+    assert _input_bytes([str(tmp_path / "parts"), f"file://{tmp_path / 'run.tsv'}", str(tmp_path / "absent")]) == 350
