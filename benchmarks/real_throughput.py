@@ -36,7 +36,8 @@ def main() -> None:
     from bench import local_ray, write_report
     from hllm.data.readers import read_slates
     from hllm.records import record_to_dict
-    from hllm.reranker import Reranker, resolve_model_uri
+    from hllm.reranker import Reranker
+    from hllm.uris import resolve_model_uri
     from pipelines.cli import batch_tokens
     from serve_load import load
 

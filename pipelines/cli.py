@@ -80,7 +80,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     if args.cascade is not None:
         from hllm.model.confidence import CascadeThresholds
         from hllm.recipes.cascade import CascadeRule
-        from hllm.reranker import resolve_model_uri
+        from hllm.uris import resolve_model_uri
 
         if args.model is None or (args.teacher_rankings is None) == (args.cascade_url is None):
             raise ValueError("--cascade needs the student that answers first (--model) and one teacher: its rankings "
@@ -163,7 +163,8 @@ def _cascade_teacher(args: argparse.Namespace, final: Path):
 def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
     """Once per run, as Serve does per request: the share of the shown tokens the model cannot read."""
     from hllm.model.ranker import read_model_card
-    from hllm.reranker import resolve_model_uri, vocabulary_warning
+    from hllm.reranker import vocabulary_warning
+    from hllm.uris import resolve_model_uri
 
     if spec.model is None or not stats.get("shown_tokens"):
         return

@@ -36,7 +36,7 @@ from hllm.data import store, traffic  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
 from hllm.recipes.flywheel import (NothingToRefresh, Verdict, gate, refuse_foreign, replay_mix,  # noqa: E402
                                    reused_rankings, select_slates, side_by_side)
-from hllm.reranker import registry_alias  # noqa: E402
+from hllm.uris import registry_alias  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job, tracking_uri  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.refresh")

@@ -26,7 +26,7 @@ import mlflow  # noqa: E402
 import pandas as pd  # noqa: E402
 from mlflow.models import infer_signature  # noqa: E402
 
-from hllm.reranker import registry_alias  # noqa: E402
+from hllm.uris import registry_alias  # noqa: E402
 
 ARTIFACT = "student"  # the student folder's name inside the logged model's artifacts
 MODEL_NAME = "student_model"  # the logged model's name in its run

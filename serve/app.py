@@ -33,7 +33,8 @@ from hllm.model.confidence import Confidence, confidence
 from hllm.model.prompts import EncodedPrompt
 from hllm.recipes.cascade import CascadeConfig, Escalation, OnlineCascade
 from hllm.recipes.rollout import RolloutConfig
-from hllm.reranker import UNKNOWN_TOKEN_WARNING, registry_alias, vocabulary_warning
+from hllm.reranker import UNKNOWN_TOKEN_WARNING, vocabulary_warning
+from hllm.uris import registry_alias
 from serve.schemas import (ErrorBody, Meta, ModelCard, ModelList, RerankBody, RerankResponse, RerankResult, ResultDocument,
                            Usage, ValidationErrorBody)
 
@@ -166,7 +167,7 @@ def model_id(uri: str) -> str:
     """Which model answers: a registry or run URI as pinned, or a folder with a hash of its files."""
     if ":/" in uri:
         return uri
-    from hllm.reranker import resolve_model_uri
+    from hllm.uris import resolve_model_uri
 
     path, digest = resolve_model_uri(uri), hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):

@@ -43,7 +43,7 @@ class Plan:
 def _model(spec: str) -> str:
     """A folder becomes an absolute path (replicas do not share this shell's working directory); a URI or a shipped
     name stays as it is. A model that cannot be found is an error now, before Ray starts."""
-    from hllm.reranker import resolve_model_uri
+    from hllm.uris import resolve_model_uri
 
     path = Path(spec).expanduser()
     if path.is_dir():

@@ -39,7 +39,7 @@ from ray.serve.handle import DeploymentHandle
 
 from hllm.recipes.rollout import (NO_ROLLOUT, Decision, ModelCatalog, Rollout, RolloutConfig, Route, UnknownModel,
                                   Window, bucket, pair_agreement, registry_version, write_decision)
-from hllm.reranker import registry_alias
+from hllm.uris import registry_alias
 from serve.app import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, _error, _json, _replica_name, framework_errors,
                        model_card, replica_args)
 from serve.schemas import ModelCard, ModelList, ModelNotFoundBody, RerankBody, RerankResponse, ResultDocument

@@ -53,7 +53,7 @@ def test_the_named_real_text_students_load_by_name_and_match_their_provenance(na
     import json
 
     from hllm.model.backbones import file_sha256
-    from hllm.reranker import NAMED_MODELS
+    from hllm.uris import NAMED_MODELS
 
     folder = NAMED_MODELS[name]
     provenance = json.loads((folder / "provenance.json").read_text())

@@ -275,7 +275,7 @@ class ShippedProbe:
         from hllm.config import from_dict
         from hllm.model.backbones import PROVENANCE
         from hllm.model.ranker import CONFIG_FILE
-        from hllm.reranker import resolve_model_uri
+        from hllm.uris import resolve_model_uri
 
         folder = resolve_model_uri(name)
         fit = json.loads((folder / PROVENANCE).read_text())["fit"]

@@ -24,7 +24,7 @@ import numpy as np
 from hllm.data.traffic import dedupe, keep_share, teacher_label, to_slate
 from hllm.eval.metrics import agreement, ir_metrics
 from hllm.records import ParseCounts, RankedSlate, RerankRequest, TeacherRanking
-from hllm.reranker import registry_alias
+from hllm.uris import registry_alias
 
 
 class NothingToRefresh(ValueError):

@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 
 from hllm.eval.metrics import kendall_tau
-from hllm.reranker import registry_alias
+from hllm.uris import registry_alias
 
 _REGISTRY_NAME = re.compile(r"^(?:models:/)?(?P<name>[A-Za-z0-9][\w.\-]*)(?:/(?P<version>\d+)|@(?P<alias>[\w.\-]+))$")
 
