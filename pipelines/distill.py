@@ -232,6 +232,37 @@ class Relay:
         self.queue.shutdown()
 
 
+def torch_extensions_dir() -> str:
+    """Where DeepSpeed's JIT-built CPU ops (its shared-memory all-reduce) are kept: TORCH_EXTENSIONS_DIR, else a folder
+    per DeepSpeed install. The build records the install's absolute paths, so two checkouts sharing one folder rebuild
+    each other's op (~40 s on 2 cores each time)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    import hashlib
+    import importlib.util
+
+    where = importlib.util.find_spec("deepspeed").origin or ""
+    return str(Path.home() / ".cache" / "hllm_torch_extensions" / hashlib.sha256(where.encode()).hexdigest()[:12])
+
+
+def build_cpu_ops() -> str | None:
+    """Builds DeepSpeed's CPU shared-memory all-reduce now (scripts/setup.sh), rather than in the first distillation's
+    workers -> where it is, or None where it does not apply (a GPU host; an op this DeepSpeed does not have)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        return None
+    builder.load(verbose=False)
+    return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
 def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Path, mlflow_run_id: str | None = None,
           init_from: Path | None = None, name: str = "distill"):
     """-> ray.train.Result; the trained student is in the final checkpoint's `student/`. `init_from`:
@@ -244,7 +275,7 @@ def train(cfg: PipelineConfig, rcfg: RankerConfig, train_dir: Path, val_dir: Pat
     init_ray(cfg.cluster)
     gpu = cluster_has_gpus(cfg.cluster)
     storage = Path(cfg.output_dir).resolve() / "ray_train"
-    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "hllm_torch_extensions")),
+    env = {"TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
            "MLFLOW_DISABLE_TELEMETRY": "true",
            "DS_ACCELERATOR": "cuda" if gpu else "cpu"}  # said, not guessed: DeepSpeed warns when it has to guess CPU
     relay = Relay()
