@@ -10,16 +10,16 @@ from pathlib import Path
 
 
 def local_ray(serve_port: int | None = None) -> None:
-    """A local Ray with 4 logical CPUs and no dashboard; Serve's HTTP ingress (HAProxy, `serve.app.THIN_INGRESS`) on
+    """A local Ray with 4 logical CPUs and no dashboard; Serve's HTTP ingress (HAProxy, `serve.common.THIN_INGRESS`) on
     127.0.0.1 when a port is given."""
     import ray
 
-    from serve.app import thin_ingress
+    from serve.common import thin_ingress
 
     thin_ingress()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     if serve_port is not None:
-        from serve.app import start_serve
+        from serve.common import start_serve
 
         start_serve({"host": "127.0.0.1", "port": serve_port})
 

@@ -82,7 +82,8 @@ def main() -> None:
     from pipelines import refresh
     from pipelines.common import PipelineConfig, mlflow_run, tracking_uri
     from pipelines.registry import log_student, pin, promote
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
     from serve.faults import swap_under_load
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -50,7 +50,8 @@ def serve_replica(student: Path, docs: list[int], requests_n: int) -> list[tuple
     import requests
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
     from serve.faults import replica_processes
     from serve_load import bodies, load
 

@@ -83,7 +83,8 @@ def main() -> None:
     # one Serve replica, same threads, loopback HTTP
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
 
     local_ray(serve_port=PORT)
     app_args = AppArgs(model=str(model_dir), threads=args.threads, max_batch_tokens=args.max_batch_tokens).model_dump()

@@ -22,7 +22,8 @@ def main() -> None:
 
     from bench import local_ray, write_report  # benchmarks/ is on sys.path when run as a script
     from serve_load import bodies
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
     from serve.faults import kill_replica_under_load
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

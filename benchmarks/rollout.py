@@ -76,7 +76,8 @@ def main() -> None:
 
     from bench import local_ray, post_all, write_report
     from pipelines.registry import log_student, pin, promote
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
     from serve.faults import rollout_under_load
     from serve.students import students_app
 

@@ -126,7 +126,8 @@ def main() -> None:
 
     from bench import local_ray, write_report
     from hllm import Reranker
-    from serve.app import THIN_INGRESS, AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import THIN_INGRESS, AppArgs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True)
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--docs", type=int, default=20)
     parser.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy",
-                        help="haproxy: serve.app.THIN_INGRESS (the default everywhere); proxy: Serve's Python proxy")
+                        help="haproxy: serve.common.THIN_INGRESS (the default everywhere); proxy: Serve's Python proxy")
     parser.add_argument("--output", default="reports/serve_load.md")
     args = parser.parse_args()
     if args.ingress == "proxy":
@@ -175,7 +176,7 @@ def main() -> None:
     stop.set()
     watcher.join()
     seen = [c for _, c in counts]
-    ingress = ("HAProxy in front of replicas answering HTTP themselves (`serve.app.THIN_INGRESS`)" if args.ingress == "haproxy"
+    ingress = ("HAProxy in front of replicas answering HTTP themselves (`serve.common.THIN_INGRESS`)" if args.ingress == "haproxy"
                else "Serve's Python HTTP proxy actor (`THIN_INGRESS` set to 0)")
     lines = [f"N = {args.docs} documents per request, {args.requests} requests, concurrency {args.concurrency}, loopback only. "
              f"Ingress: {ingress}. Client: `requests` with a keep-alive session.\n",
@@ -184,7 +185,7 @@ def main() -> None:
     model_ms, http, replica = sequential["model"], sequential["http"], sequential["inside"]
     lines += ["", f"model p50 ms: {model_ms:.1f}", f"http p50 ms: {http:.1f}", "",
               f"Sequential, N = {args.docs}, `batch_wait_timeout_s: 0` (with a 5 ms wait: {rows['sequential']['p50']:.1f} "
-              "ms p50; a request alone in its replica skips the batch queue and its wait, `serve.app.Answerer.forward`), "
+              "ms p50; a request alone in its replica skips the batch queue and its wait, `serve.common.Answerer.forward`), "
               "200 requests, each timed in-process, over "
               f"HTTP and as `GET /healthz`, interleaved: HTTP p50 - model p50 = **{http - model_ms:.1f} ms**. The model is "
               "`hllm.Reranker.rank` in this process, one thread, like a replica. Where the difference goes (p50s):",

@@ -225,6 +225,15 @@ class Reranker:
         for a model saved without a calibration."""
         return None if self.calibrator is None else self.calibrator.probabilities(matrix, permutation)
 
+    def assess(self, matrix: np.ndarray, trust: float | None = None, decoder: str | None = None) -> Assessed:
+        """A query's score matrix -> its ranking: the last step every caller shares (`rank_assessed`, Serve's replicas):
+        decode -> calibrated relevance (where the model has a calibration) -> the confidence signals of this pass."""
+        decoded = self.decode(matrix, decoder)
+        rel = self.relevance(matrix, decoded.permutation)
+        docs = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
+                for j in decoded.permutation]
+        return Assessed(docs, confidence(matrix, decoded.permutation, trust), trust)
+
     # ---- whole requests ----------------------------------------------------------------------
     def score_slates(self, slates: Sequence[RerankRequest], batch_size: int | None = None) -> list[np.ndarray]:
         """Score matrices for many slates, `batch_size` per forward pass (evaluation)."""
@@ -258,11 +267,7 @@ class Reranker:
             chunk = short[start: start + size]
             scored = self.score_with_trust([self.encode(queries[i], documents[i]) for i in chunk])
             for i, (matrix, trust) in zip(chunk, scored):
-                decoded = self.decode(matrix, decoder)
-                rel = self.relevance(matrix, decoded.permutation)
-                docs = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
-                        for j in decoded.permutation]
-                out[i] = Assessed(docs, confidence(matrix, decoded.permutation, trust), trust)
+                out[i] = self.assess(matrix, trust, decoder)
         if long:
             ranked = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder)
             for q, i in enumerate(long):

@@ -148,7 +148,7 @@ def init_ray(cfg: ClusterConfig) -> None:
     if address:
         ray.init(address=address, **quiet)
     else:  # local: dashboard (and job server) on loopback only
-        from serve.app import thin_ingress
+        from serve.common import thin_ingress
 
         thin_ingress()
         ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, dashboard_host="127.0.0.1", **quiet)

@@ -35,7 +35,8 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
     from ray import serve
 
     from pipelines import console
-    from serve.app import app_builder, start_serve
+    from serve.app import app_builder
+    from serve.common import start_serve
 
     console.quiet_loggers()  # again: importing Serve configures its logger
     start_serve({"host": "127.0.0.1", "port": cfg.cluster.serve_port})

@@ -24,12 +24,13 @@ import logging
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from hllm.data import store, traffic  # noqa: E402
@@ -42,20 +43,10 @@ from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, 
 log = logging.getLogger("hllm.pipelines.refresh")
 
 
-def _classify(batch: pa.Table, model_key: str, share: float) -> pa.Table:
-    """A Ray Data batch of log rows -> the same rows with their status and request key."""
-    statuses, keys = zip(*(traffic.row_status(r, model_key, share) for r in batch.to_pylist())) if batch.num_rows else ((), ())
-    return batch.append_column("status", pa.array(list(statuses), pa.string())).append_column("key", pa.array(list(keys), pa.string()))
-
-
-def _no_teacher_order(batch: pa.Table) -> pa.Table:
-    return batch.append_column("teacher_order", pa.array([[]] * batch.num_rows, pa.list_(pa.int32())))
-
-
 def read_traffic(log_path: str, model_key: str, share: float) -> tuple[list[dict[str, Any]], dict[str, int], set[str]]:
-    """The log through Ray Data -> (the rows to label, counts by status and skipped files, the model keys seen)."""
+    """The log through Ray Data -> (the rows to label, counts by status and skipped files, the model keys seen). The
+    tasks run library functions (`hllm.data.traffic`): a worker imports that, not this job's modules."""
     import ray
-    from ray.data.expressions import col
 
     scan = traffic.scan(log_path)
     for path, why in scan.skipped:
@@ -67,15 +58,19 @@ def read_traffic(log_path: str, model_key: str, share: float) -> tuple[list[dict
     has = {str(p): "teacher_order" in pq.read_schema(p).names for p in scan.files}
     with_teacher, without = [p for p, yes in has.items() if yes], [p for p, yes in has.items() if not yes]
     parts = ([ray.data.read_parquet(with_teacher, columns=traffic.REQUIRED + ["teacher_order"])] if with_teacher else []) + \
-        ([ray.data.read_parquet(without, columns=traffic.REQUIRED).map_batches(_no_teacher_order, batch_format="pyarrow")]
+        ([ray.data.read_parquet(without, columns=traffic.REQUIRED).map_batches(traffic.with_empty_teacher_order, batch_format="pyarrow")]
          if without else [])
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    ds = ds.map_batches(_classify, fn_kwargs={"model_key": model_key, "share": share}, batch_format="pyarrow").materialize()
-    for row in ds.groupby("status").count().take_all():
-        counts[row["status"]] = int(row["count()"])
+    ds = ds.map_batches(traffic.classify_batch, fn_kwargs={"model_key": model_key, "share": share}, batch_format="pyarrow")
+    # one streamed pass: the `ok` rows come to the driver anyway (to be labelled), so the counts and the model keys are
+    # read beside them, not by a group-by and a unique (each a hash shuffle: an aggregator actor per partition)
+    rows, keys = [], set()
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for status, n in Counter(batch.column("status").to_pylist()).items():
+            counts[status] += n
+        keys |= set(batch.column("model_key").to_pylist())
+        rows += batch.filter(pc.equal(batch.column("status"), "ok")).drop_columns(["status"]).to_pylist()
     counts["rows"] = sum(counts[s] for s in traffic.STATUSES)
-    keys = set(ds.unique("model_key"))
-    rows = ds.filter(expr=col("status") == "ok").drop_columns(["status"]).take_all()  # an expression: no Python per row
     return rows, counts, keys
 
 

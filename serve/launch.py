@@ -97,7 +97,8 @@ def routes(url: str, p: Plan) -> list[str]:
 
 def build(p: Plan, replicas: int, api_key_env: str | None, joined: bool):
     """The Serve application: the one-student or many-student app from the same builder as `serve run`'s YAML."""
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
     from serve.students import students_app
 
     options: dict = {"num_replicas": replicas}
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from serve.app import start_serve, thin_ingress
+    from serve.common import start_serve, thin_ingress
 
     console.quiet_loggers()
 

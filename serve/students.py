@@ -2,7 +2,7 @@
 
     serve run serve/students.yaml        # args.students: {name: model, ...}; args.rollout: shadow / canary (optional)
 
-Three deployments, four with a rollout (`students_app`), built from the same `serve.app.AppArgs` as the one-student
+Three deployments, four with a rollout (`students_app`), built from the same `serve.common.AppArgs` as the one-student
 app:
 
 - `Router` (the HTTP ingress; light, any number of replicas): reads `model` from the body, resolves it to one immutable
@@ -12,7 +12,7 @@ app:
   with the other model, and records their agreement (Kendall tau, top-10 overlap), latencies and errors in Prometheus,
   the traffic log and the rollout window it sends to `Rollout` every `rollout.report_s`.
 - `Students` (the models; `@serve.multiplexed`): at most `max_models_per_replica` students a replica, least recently
-  used evicted; Serve's router prefers a replica that holds the requested model. Each answer is `serve.app.Answerer`'s,
+  used evicted; Serve's router prefers a replica that holds the requested model. Each answer is `serve.common.Answerer`'s,
   as in the one-student app; a batch holds one forward pass per model, never a mixed one.
 - `Rollout` (one replica): the candidate's `hllm.recipes.rollout.Rollout` — warm-up, shadow, canary steps, rollback on
   a guard, promotion (the registry alias moved) — each decision a log line, a metric and a row of `rollout.log_path`.
@@ -40,8 +40,8 @@ from ray.serve.handle import DeploymentHandle
 from hllm.recipes.rollout import (NO_ROLLOUT, Decision, ModelCatalog, Rollout, RolloutConfig, Route, UnknownModel,
                                   Window, bucket, pair_agreement, registry_version, write_decision)
 from hllm.uris import registry_alias
-from serve.app import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, _error, _json, _replica_name, framework_errors,
-                       model_card, replica_args)
+from serve.common import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, error_response, framework_errors, json_response,
+                          model_card, replica_args, replica_name)
 from serve.schemas import ModelCard, ModelList, ModelNotFoundBody, RerankBody, RerankResponse, ResultDocument
 
 logger = logging.getLogger("ray.serve")
@@ -112,7 +112,7 @@ class Students:
     async def _load(self, model: str):
         t0 = time.perf_counter()
         served = await asyncio.to_thread(self._load_and_run, model)  # off the loop: other students keep answering
-        self.loads.append({"model": model, "seconds": round(time.perf_counter() - t0, 3), "replica": _replica_name()})
+        self.loads.append({"model": model, "seconds": round(time.perf_counter() - t0, 3), "replica": replica_name()})
         logger.info("loaded student %s in %.1f s", model, time.perf_counter() - t0)
         return served
 
@@ -146,7 +146,7 @@ class Students:
         """This replica's loaded students (most recently used last) and its load history."""
         wrapper = getattr(self._loader, "__serve_multiplex_wrapper", None)  # Serve's LRU (an OrderedDict, oldest first)
         models = list(wrapper.models) if wrapper is not None else []
-        return {"replica": _replica_name(), "models": models, "loads": self.loads}
+        return {"replica": replica_name(), "models": models, "loads": self.loads}
 
 
 # ------------------------------------------------------------------------------------------------ the rollout
@@ -333,7 +333,7 @@ class Router:
         if self.args.traffic_log is not None:
             from hllm.data.traffic import TrafficLog
 
-            self.traffic = TrafficLog(self.args.traffic_log, writer=_replica_name())
+            self.traffic = TrafficLog(self.args.traffic_log, writer=replica_name())
         try:  # the reporter starts with the replica: a rollout begins (warm-up, shadow) before the first request
             asyncio.get_running_loop()
             self._start()
@@ -369,7 +369,7 @@ class Router:
             return JSONResponse(status_code=404, content={"message": str(err), "detail": str(err),
                                                           "known_models": err.known})
         except Exception as err:  # noqa: BLE001 (the registry cannot pin an alias and never has: 503, said)
-            return _error(503, f"model {body.model!r} cannot be resolved now: {err}")
+            return error_response(503, f"model {body.model!r} cannot be resolved now: {err}")
         arm, champion_route, version = "", route, self.state["version"]  # the rollout this request belongs to
         if self.rollout is not None and route.name == self.catalog.default and version:
             arm = "champion"
@@ -387,10 +387,10 @@ class Router:
             self._window(version).record("champion", ms, ok=answered is not None)
         if isinstance(answered, Failure):
             self.metrics.requests.inc(tags={"model": route.uri, "arm": arm, "status": str(answered.status)})
-            return _error(answered.status, answered.message)
+            return error_response(answered.status, answered.message)
         if answered is None:
             self.metrics.requests.inc(tags={"model": route.uri, "arm": arm, "status": "503"})
-            return _error(503, f"student {route.name!r} ({route.uri}) could not answer; try again")
+            return error_response(503, f"student {route.name!r} ({route.uri}) could not answer; try again")
         response = self._shaped(answered.response, body, route, arm)
         total = 1000 * (time.perf_counter() - t0)
         self.metrics.requests.inc(tags={"model": answered.response.meta.model_version or route.uri, "arm": arm,
@@ -400,7 +400,7 @@ class Router:
         pair = self._pair(body, answered.response, arm, champion_route, version, record)
         if pair is None and record is not None:
             self.traffic.append(record)
-        return _json(response)
+        return json_response(response)
 
     def _sticky_key(self, body: RerankBody, request: Request) -> str:
         sticky = self.rollout.canary.sticky_by if self.rollout.canary else "query"

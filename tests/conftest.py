@@ -60,7 +60,7 @@ def ray_local():
     """One local Ray for the whole session (4 logical CPUs on 2 cores, dashboard off)."""
     import ray
 
-    from serve.app import thin_ingress
+    from serve.common import thin_ingress
 
     thin_ingress()  # Serve as deployed: HAProxy + direct ingress
     # a stopping direct-ingress replica stays up 30 s for load balancers to deregister it; not in tests

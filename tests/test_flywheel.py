@@ -81,7 +81,8 @@ def job(tiny_job, tmp_path_factory):
 def test_served_traffic_refreshes_the_champion_and_the_deployment_swaps_with_no_failed_request(job):
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment, start_serve
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs, start_serve
     from serve.faults import swap_under_load
 
     cfg, _, out, tracking = job

@@ -128,7 +128,8 @@ def serve_apps(config: dict) -> dict[str, dict]:
 def test_the_rayservice_serves_the_application_of_serve_config_yaml():
     from ray.serve.schema import ServeDeploySchema
 
-    from serve.app import AppArgs, app_builder
+    from serve.app import app_builder
+    from serve.common import AppArgs
 
     local = yaml.safe_load((ROOT / "serve" / "config.yaml").read_text())
     served = yaml.safe_load(of_kind("RayService", "hllm-serve")["spec"]["serveConfigV2"])
@@ -152,7 +153,8 @@ def test_the_many_student_rayservice_builds_its_app_and_upgrades_clusters_increm
     rollout), the three deployments the app builds, and KubeRay's incremental cluster upgrade."""
     from ray.serve.schema import ServeDeploySchema
 
-    from serve.app import AppArgs, app_builder
+    from serve.app import app_builder
+    from serve.common import AppArgs
 
     doc = of_kind("RayService", "hllm-students")
     config = yaml.safe_load(doc["spec"]["serveConfigV2"])

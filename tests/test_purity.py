@@ -141,3 +141,59 @@ def test_no_import_cycles_between_modules():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+# The Ray glue above the library: the registry and console helpers at its bottom (both Serve and the pipelines use
+# them), Serve above them, the pipelines' stages and jobs on top (the job deploys Serve; Serve never runs a stage).
+ROOT = LIBRARY.parent
+GLUE_BASE = {"pipelines.registry", "pipelines.registry_model", "pipelines.console"}
+
+
+def glue_layer(module: str) -> int:
+    return 0 if module in GLUE_BASE else 1 if module.startswith("serve.") else 2
+
+
+def glue_imports(package: str) -> dict[str, list[ast.ImportFrom | ast.Import]]:
+    """module -> its import statements (anywhere in the file) of this project's glue packages."""
+    out = {}
+    for f in sorted((ROOT / package).glob("*.py")):
+        nodes = [n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        out[f"{package}.{f.stem}"] = nodes
+    return out
+
+
+def imported_from(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str | None]]:
+    """(module, name) pairs an import statement reads (name None for `import module`)."""
+    if isinstance(node, ast.Import):
+        return [(a.name, None) for a in node.names]
+    if node.level or not node.module:
+        return []
+    if node.module in ("serve", "pipelines"):  # `from pipelines import console`: the module console
+        return [(f"{node.module}.{a.name}", None) for a in node.names]
+    return [(node.module, a.name) for a in node.names]
+
+
+def test_serve_and_the_pipelines_import_down_their_layers_and_no_private_names():
+    wrong, private = [], []
+    for package in ("serve", "pipelines"):
+        for module, nodes in glue_imports(package).items():
+            for node in nodes:
+                for target, name in imported_from(node):
+                    if target.split(".")[0] not in ("serve", "pipelines") or target == module:
+                        continue
+                    if glue_layer(target) > glue_layer(module):
+                        wrong.append(f"{module} imports {target}")
+                    if name is not None and name.startswith("_"):
+                        private.append(f"{module} imports {target}.{name}")
+    assert wrong == [] and private == [], (wrong, private)
+
+
+def test_serve_has_no_import_cycle():
+    """The apps share `serve.common`; neither imports the other at module level (the one-student app's builder hands
+    a many-student config to `serve.students` lazily, and nothing imports `serve.app` back)."""
+    graph = {}
+    for f in (ROOT / "serve").glob("*.py"):
+        top = [n for n in ast.parse(f.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        graph[f"serve.{f.stem}"] = {t for n in top for t, _ in imported_from(n) if t.startswith("serve.")}
+    assert "serve.app" not in set().union(*graph.values()), {m: t for m, t in graph.items() if "serve.app" in t}
+    assert all(t in ("serve.common", "serve.schemas") for t in graph["serve.students"]), graph["serve.students"]

@@ -39,7 +39,8 @@ def student_dir(tmp_path_factory, small_splits):
 def app(ray_local, student_dir):
     from ray import serve
 
-    from serve.app import app_builder, start_serve
+    from serve.app import app_builder
+    from serve.common import start_serve
 
     start_serve({"host": "127.0.0.1", "port": PORT})
     serve.run(app_builder({"model": str(student_dir), "max_documents": 10, "max_body_bytes": 20_000}),
@@ -185,7 +186,7 @@ def test_health_models_and_openapi(app):
 
 
 def test_requests_reach_the_replica_through_haproxy_not_the_python_proxy(app):
-    """The thin ingress (serve.app.THIN_INGRESS) is what serves: an HAProxy process listens on the
+    """The thin ingress (serve.common.THIN_INGRESS) is what serves: an HAProxy process listens on the
     port, and the replica's own HTTP server (direct ingress) answers on a port of its own."""
     import psutil
 
@@ -200,7 +201,8 @@ def test_requests_reach_the_replica_through_haproxy_not_the_python_proxy(app):
 def test_bearer_auth_both_ways(app, student_dir):
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
 
     secure = RerankDeployment.options(ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": {"HLLM_API_TOKEN": "s3cret"}}})
     serve.run(secure.bind(AppArgs(model=str(student_dir)).model_dump()), name="secure", route_prefix="/secure")
@@ -220,7 +222,8 @@ def test_bearer_auth_both_ways(app, student_dir):
 def test_long_lists_are_ranked_in_windows(app, student_dir):
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
 
     windowed = RerankDeployment.options(name="Windowed", ray_actor_options={"num_cpus": 0.5})
     serve.run(windowed.bind(AppArgs(model=str(student_dir), window=4, stride=2, max_documents=40,
@@ -245,7 +248,8 @@ def test_a_request_the_domain_guard_distrusts_keeps_the_input_order_and_says_so(
     import torch
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
 
     ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(mode="frozen"), head=HeadConfig(
         kind="utility", positions=8, prior="logrank", guard="distance", guard_rank=4)))
@@ -280,7 +284,8 @@ def test_registry_round_trip_register_promote_serve(app, student_dir, tmp_path):
     from ray import serve
 
     from pipelines.registry import log_student, promote
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
@@ -331,7 +336,8 @@ def test_request_figures_reach_prometheus_through_ray_metrics(app, ray_local):
 def test_replica_killed_under_load_loses_at_most_one_percent_and_recovers(app, student_dir):
     from ray import serve
 
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
     from serve.faults import kill_replica_under_load
 
     two = RerankDeployment.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5})
@@ -354,7 +360,7 @@ def test_start_serve_outlasts_a_proxy_wait_that_runs_out(app, monkeypatch):
     controller was still starting them: start_serve starts again and waits for HEALTHY proxies."""
     from ray import serve
 
-    from serve.app import start_serve
+    from serve.common import start_serve
 
     real, calls = serve.start, []
 
@@ -400,7 +406,8 @@ def test_the_online_cascade_answers_with_the_teacher_in_time_and_never_fails_a_r
     from teacher_server import MODEL
 
     from hllm.data.traffic import read_log, scan
-    from serve.app import AppArgs, RerankDeployment
+    from serve.app import RerankDeployment
+    from serve.common import AppArgs
 
     def cascade(deadline_ms: float, breaker_failures: int) -> dict:
         return {"teacher": {"url": fault_proxy.url, "model": MODEL, "api_key_env": "HLLM_TEST_TEACHER_KEY", "timeout_s": 30,

@@ -106,7 +106,7 @@ def many(ray_local, fleet, registry, tmp_path_factory):
     (folders); Students on 2 replicas holding at most 2 students each; a canary of the challenger (no shadow phase)."""
     from ray import serve
 
-    from serve.app import AppArgs, start_serve
+    from serve.common import AppArgs, start_serve
     from serve.students import students_app
 
     uri, _, tmp = registry
@@ -168,7 +168,7 @@ def plain(ray_local, fleet):
     """A many-student app without a rollout (two folders), for the fuzz: its traffic touches no other test's rollout."""
     from ray import serve
 
-    from serve.app import AppArgs, start_serve
+    from serve.common import AppArgs, start_serve
     from serve.students import students_app
 
     start_serve({"host": "127.0.0.1", "port": SERVE_PORT})
@@ -314,7 +314,8 @@ def shadowed(ray_local, fleet, tmp_path):
     """A shadow-only app factory (folders, no registry): the candidate is ranked beside every answer."""
     from ray import serve
 
-    from serve.app import app_builder, start_serve
+    from serve.app import app_builder
+    from serve.common import start_serve
 
     start_serve({"host": "127.0.0.1", "port": SERVE_PORT})  # the session's Serve (a no-op once started)
     def run(candidate, min_requests=8, **shadow):

@@ -44,7 +44,7 @@ log = logging.getLogger("hllm.data.traffic")
 
 @dataclass
 class TrafficLogConfig:
-    """Where and how a replica logs what it answered (`serve.app.AppArgs.traffic_log`)."""
+    """Where and how a replica logs what it answered (`serve.common.AppArgs.traffic_log`)."""
 
     path: str  # a folder every replica and the refresh job see (shared disk, a mounted bucket)
     flush_records: int = 256  # a buffer this full is written out ...
@@ -311,6 +311,18 @@ def row_status(row: dict[str, Any], model_key: str, share: float = 1.0) -> tuple
             or len(set(order)) != len(order) or not all(0 <= i < len(docs) for i in order)):
         return "malformed", key
     return ("ok" if share >= 1 or keep_share(key, share) else "sampled_out"), key
+
+
+def classify_batch(batch: pa.Table, model_key: str, share: float) -> pa.Table:
+    """A batch of log rows (a Ray Data block in `pipelines/refresh.py`) -> the same rows with their `status` and
+    request `key` columns (`row_status`)."""
+    statuses, keys = zip(*(row_status(r, model_key, share) for r in batch.to_pylist())) if batch.num_rows else ((), ())
+    return batch.append_column("status", pa.array(list(statuses), pa.string())).append_column("key", pa.array(list(keys), pa.string()))
+
+
+def with_empty_teacher_order(batch: pa.Table) -> pa.Table:
+    """A batch from a log written before the cascade -> the same rows with an empty `teacher_order` (no label)."""
+    return batch.append_column("teacher_order", pa.array([[]] * batch.num_rows, pa.list_(pa.int32())))
 
 
 def clean_rows(rows: Iterable[dict[str, Any]], model_key: str, share: float = 1.0

@@ -162,7 +162,7 @@ class CircuitBreaker:
 
 @dataclass
 class CascadeConfig:
-    """Serve's online cascade (`serve.app.AppArgs.cascade`): which requests go to the served teacher, and how long
+    """Serve's online cascade (`serve.common.AppArgs.cascade`): which requests go to the served teacher, and how long
     a request may wait for it."""
 
     teacher: EndpointConfig = field(default_factory=EndpointConfig)  # the served AR teacher (url and model required)

@@ -35,7 +35,7 @@ class NothingToRefresh(ValueError):
 class RefreshConfig:
     """One flywheel cycle (`pipelines/refresh.py`, `hllm refresh`)."""
 
-    log_path: str = "runs/traffic"  # the Serve traffic log (`serve.app.AppArgs.traffic_log.path`)
+    log_path: str = "runs/traffic"  # the Serve traffic log (`serve.common.AppArgs.traffic_log.path`)
     # the serving model, a registry alias: fine-tuned from, compared against, and the alias the gate moves
     champion: str = "models:/hllm-student@champion"
     sample_share: float = 1.0  # requests kept, by a hash of the request, before deduplication (lower it at scale)
