@@ -17,7 +17,7 @@ from pathlib import Path
 from hllm.config import from_dict
 from hllm.data.splits import load_splits
 from hllm.model.calibration import Calibrator
-from hllm.recipes.stages import calibrate_student, calibration_on
+from hllm.job.stages import calibrate_student, calibration_on
 from hllm.reranker import Reranker
 from pipelines.common import PipelineConfig
 from pipelines.reports import plot_reliability

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 from hllm.data.readers import read_slates  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
 from hllm.model.confidence import THRESHOLDS_FILE, confidence  # noqa: E402
-from hllm.model.ranker import SinglePassRanker, record_in_provenance  # noqa: E402
+from hllm.model.ranker import SinglePassRanker  # noqa: E402
+from hllm.model.card import record_in_provenance  # noqa: E402
 from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, oof_thresholds, per_query, teacher_grades  # noqa: E402
 from hllm.teacher.external import external_rankings  # noqa: E402
 from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates  # noqa: E402

@@ -30,7 +30,8 @@ from hllm.data.readers import read_slates  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
 from hllm.eval.runfile import relevance_threshold  # noqa: E402
 from hllm.model.confidence import SIGNALS, THRESHOLDS_FILE, CascadeThresholds  # noqa: E402
-from hllm.model.ranker import SinglePassRanker, record_in_provenance  # noqa: E402
+from hllm.model.ranker import SinglePassRanker  # noqa: E402
+from hllm.model.card import record_in_provenance  # noqa: E402
 from hllm.recipes.distilltext import per_query  # noqa: E402
 from hllm.recipes.realtext import in_sample_thresholds, split_by_hash  # noqa: E402
 from hllm.train.head_fit import StateSlate, decode_orders, guarded_orders, score_state_slates, state_confidence  # noqa: E402

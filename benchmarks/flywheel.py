@@ -191,7 +191,7 @@ def report(args, record: dict, q: dict, swap: dict, with_log: list[float], witho
                                                                    "traffic.top1_agreement", "traffic.nDCG@10_vs_teacher")],
         "", "`original.*`: the job's test split (true labels; agreement with the teacher's rankings); `traffic.*`: the "
         "held-out new traffic against the teacher's rankings (Kendall tau, top-1, nDCG@10 with graded pseudo-labels from "
-        "the teacher's ranking, `hllm.recipes.flywheel.pseudo_grades`).", "",
+        "the teacher's ranking, `hllm.job.refresh.pseudo_grades`).", "",
         "**The cycle's wall time on 2 cores** (one run): " + ", ".join(f"{k} {v:.0f} s" for k, v in s.items())
         + f"; {sum(s.values()):.0f} s in all (labelling: the teacher on {c['slates']} slates through the Ray Data actor "
         f"pool; fine-tuning: Ray Train, 2 DeepSpeed ZeRO-2 workers, {args.steps} steps of 16 slates).", "",

@@ -27,8 +27,8 @@ from hllm.data.readers import read_beir
 from hllm.data.synthetic import SyntheticConfig, generate
 from hllm.eval.evaluation import interleaved_latency, paired_ratio, single_pass_methods
 from hllm.model.decoding import DECODERS
-from hllm.recipes.job import JobConfig
-from hllm.recipes.stages import load_teacher
+from hllm.job.config import JobConfig
+from hllm.job.stages import load_teacher
 from hllm.teacher.baselines import first_style_scores
 
 

@@ -71,7 +71,7 @@ def serve_replica(student: Path, docs: list[int], requests_n: int) -> list[tuple
 def train_worker(run_dir: Path, steps: int) -> list[tuple[str, float]]:
     from hllm.config import from_dict
     from hllm.model.backbones import ModelConfig
-    from hllm.recipes.job import student_ranker_config
+    from hllm.job.config import student_ranker_config
     from pipelines import distill
     from pipelines.common import PipelineConfig
 

@@ -39,10 +39,10 @@ from pathlib import Path
 
 from hllm.config import from_dict
 from hllm.data.readers import read_slates
-from hllm.data.splits import load_splits, query_bucket
+from hllm.data.splits import load_splits, unit_hash
 from hllm.eval.evaluation import evaluate_student, evaluate_teacher, first_stage_order, quality
 from hllm.model.backbones import resolve_device
-from hllm.recipes.stages import load_teacher, teacher_model
+from hllm.job.stages import load_teacher, teacher_model
 from hllm.records import RerankRequest
 from hllm.reranker import Reranker
 from hllm.teacher.baselines import first_style_orders
@@ -274,7 +274,7 @@ def main() -> None:
         "first_stage": report["first_stage"], "teacher": report["teacher"],
         "student": report["student"]["decoders"][main_decoder], "first_style": quality(test, first_style_orders(teacher.model, teacher.prompts, test, 4), rel)})
     for path in args.transfer:
-        slates = [s for s in read_slates("beir", path, top_n=cfg.data.top_n) if query_bucket(s.slate_id) < cfg.data.test_fraction]
+        slates = [s for s in read_slates("beir", path, top_n=cfg.data.top_n) if unit_hash(s.slate_id) < cfg.data.test_fraction]
         slates = slates[: args.transfer_queries]
         log.info("%s (never trained on): %d test queries, AR teacher + student + FIRST-style", Path(path).name, len(slates))
         ranked = teacher.rank(slates)

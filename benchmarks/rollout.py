@@ -224,7 +224,7 @@ def main() -> None:
     lines += [f"| `{k}` | {v} |" for k, v in sorted(result.by_version.items())]
     lines += ["", "requests per arm (meta.rollout_arm): " + ", ".join(f"{k} {v}" for k, v in sorted(result.by_arm.items())),
               "", "Every decision (the rollout log, as `hllm rollout status` prints it):", "", "```"]
-    from hllm.recipes.rollout import Decision, status_table
+    from hllm.serving.rollout import Decision, status_table
 
     lines += [status_table([Decision(**r) for r in rows]), "```"]
     write_report("rollout", "Many students behind one endpoint, and a rollout under load", "\n".join(lines))

@@ -23,8 +23,8 @@ from hllm.config import load_config
 from hllm.data.splits import load_splits
 from hllm.eval.evaluation import evaluate_teacher
 from hllm.model.backbones import resolve_device
-from hllm.recipes.job import add_config_args
-from hllm.recipes.stages import bootstrap_teacher_stage, load_teacher, teacher_rankings_stage
+from hllm.job.config import add_config_args
+from hllm.job.stages import bootstrap_teacher_stage, load_teacher, teacher_rankings_stage
 from pipelines import teacher_gen
 from pipelines.common import PipelineConfig
 

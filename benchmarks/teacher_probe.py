@@ -31,9 +31,9 @@ from hllm.data.splits import load_splits
 from hllm.eval.evaluation import first_stage_order, quality
 from hllm.model.backbones import load_backbone
 from hllm.model.prompts import PromptBuilder, collate
-from hllm.recipes.ablations import scores_to_perm
-from hllm.recipes.job import JobConfig
-from hllm.recipes.stages import teacher_model
+from hllm.job.ablations import scores_to_perm
+from hllm.job.config import JobConfig
+from hllm.job.stages import teacher_model
 from hllm.train.loop import grade_token_ids
 
 

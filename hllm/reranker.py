@@ -37,7 +37,8 @@ from hllm.model.confidence import CascadeThresholds, Confidence, confidence
 from hllm.model.decoding import DECODERS, Decoded
 from hllm.model.heads import within_support
 from hllm.model.prompts import EncodedPrompt, PromptTooLong, collate
-from hllm.model.ranker import SinglePassRanker, read_model_card
+from hllm.model.ranker import SinglePassRanker
+from hllm.model.card import ModelCard, read_model_card
 from hllm.model.windows import WINDOWINGS, rank_in_windows
 from hllm.records import RerankRequest
 from hllm.uris import resolve_model_uri
@@ -129,7 +130,7 @@ class Reranker:
         self.max_batch_tokens = max_batch_tokens
         self.model, self.decoder, self.batch_size = model.eval(), decoder, batch_size
         self.window, self.stride, self.windowing = window, stride, windowing
-        self.card: dict = {}  # what the model knows (`Reranker.load` reads the saved model card)
+        self.card: ModelCard | None = None  # what the model knows (`Reranker.load` reads the saved model card)
         self.calibrator: Calibrator | None = None  # P(relevant) from the matrix (`Reranker.load` reads calibration.json)
         # its confidence's quantiles on training-side queries: a cascade's threshold for a share of traffic (cascade.json)
         self.cascade_thresholds: CascadeThresholds | None = None

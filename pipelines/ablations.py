@@ -29,13 +29,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-from hllm.recipes.ablations import (QUALITY, REFERENCE, AblationConfig, Baseline, Cell, Row, aggregate,  # noqa: E402
+from hllm.job.ablations import (QUALITY, REFERENCE, AblationConfig, Baseline, Cell, Row, aggregate,  # noqa: E402
                                     baseline_metrics, decoder_comparison, expand_cells, flat_metrics, scores_to_perm,
                                     slates_of_size, train_cell, with_seed)
 from hllm.config import from_dict, load_config, to_dict  # noqa: E402
 from hllm.data.cache import fingerprint, mark_done, stage_done  # noqa: E402
-from hllm.recipes.job import student_ranker_config  # noqa: E402
-from hllm.recipes.stages import Rankings  # noqa: E402
+from hllm.job.config import student_ranker_config  # noqa: E402
+from hllm.job.stages import Rankings  # noqa: E402
 from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job  # noqa: E402
 from pipelines.reports import markdown_report, plot_reports, write_csv  # noqa: E402
 
@@ -154,7 +154,7 @@ def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = N
     import mlflow
 
     from hllm.model.backbones import resolve_device
-    from hllm.recipes.stages import load_teacher
+    from hllm.job.stages import load_teacher
     from pipelines import teacher_gen
 
     cells = expand_cells(grid, cfg)  # every cell's config is checked before anything runs

@@ -71,7 +71,7 @@ def _table(rows: dict[str, dict]) -> str:
 def cmd_rerank(args: argparse.Namespace) -> int:
     from hllm.data.readers import read_qrels
     from hllm.eval.runfile import evaluate, evaluate_run
-    from hllm.recipes.collection import RerankSpec, rerank_collection
+    from hllm.job.collection import RerankSpec, rerank_collection
 
     served = args.teacher_url or args.cascade_url
     if (served is None) != (args.teacher_model is None):
@@ -79,7 +79,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     rule = None
     if args.cascade is not None:
         from hllm.model.confidence import CascadeThresholds
-        from hllm.recipes.cascade import CascadeRule
+        from hllm.serving.cascade import CascadeRule
         from hllm.uris import resolve_model_uri
 
         if args.model is None or (args.teacher_rankings is None) == (args.cascade_url is None):
@@ -120,7 +120,7 @@ def cmd_rerank(args: argparse.Namespace) -> int:
               + (f"; the domain guard sent {stats['fell_back']} of {stats['queries']} queries toward the first-stage order"
                  if stats.get("fell_back") else ""))
     if rule is not None:
-        from hllm.recipes.cascade import cascade
+        from hllm.serving.cascade import cascade
 
         counts = cascade(path, notes, slates, _cascade_teacher(args, final), rule, final, args.tag + "-cascade")
         notes.replace(final.with_name(final.name + ".queries.jsonl"))
@@ -153,7 +153,7 @@ def _cascade_teacher(args: argparse.Namespace, final: Path):
         from hllm.teacher.external import FileTeacher
 
         return FileTeacher(args.teacher_format, args.teacher_rankings)
-    from hllm.recipes.collection import RerankSpec, answers_folder, served_teacher
+    from hllm.job.collection import RerankSpec, answers_folder, served_teacher
 
     spec = RerankSpec(teacher_url=args.cascade_url, teacher_model=args.teacher_model, teacher_api_key_env=args.teacher_api_key_env,
                       concurrency=args.concurrency, qps=args.qps, stride=None, windowing=args.windowing)  # its windows: 20 by 10
@@ -162,14 +162,14 @@ def _cascade_teacher(args: argparse.Namespace, final: Path):
 
 def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
     """Once per run, as Serve does per request: the share of the shown tokens the model cannot read."""
-    from hllm.model.ranker import read_model_card
+    from hllm.model.card import read_model_card
     from hllm.reranker import vocabulary_warning
     from hllm.uris import resolve_model_uri
 
     if spec.model is None or not stats.get("shown_tokens"):
         return
     share = stats.get("unknown_tokens", 0) / stats["shown_tokens"]
-    warning = vocabulary_warning(share, read_model_card(resolve_model_uri(spec.model)).get("vocabulary"), threshold)
+    warning = vocabulary_warning(share, read_model_card(resolve_model_uri(spec.model)).vocabulary, threshold)
     if warning:
         print(f"warning: {warning} ({stats['unknown_tokens']} of {stats['shown_tokens']} tokens; "
               f"threshold {threshold:.0%})", file=sys.stderr)
@@ -238,7 +238,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_rollout_status(args: argparse.Namespace) -> int:
     """The rollout's decisions, from its log (rollout.log_path) or a running app (GET /v1/rollout)."""
-    from hllm.recipes.rollout import Decision, read_decisions, status_table
+    from hllm.serving.rollout import Decision, read_decisions, status_table
 
     if args.url:
         import urllib.request
@@ -255,7 +255,7 @@ def cmd_rollout_status(args: argparse.Namespace) -> int:
 
 def cmd_export_teacher(args: argparse.Namespace) -> int:
     from hllm.model.backbones import EMBEDDED_TEACHER
-    from hllm.recipes.stages import export_teacher
+    from hllm.job.stages import export_teacher
 
     provenance = export_teacher(args.run_dir, args.to or EMBEDDED_TEACHER)
     test = provenance["test"]

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hllm.config import flatten, load_config, to_dict
-from hllm.recipes.flywheel import RefreshConfig
-from hllm.recipes.job import JobConfig, add_config_args
+from hllm.job.refresh import RefreshConfig
+from hllm.job.config import JobConfig, add_config_args
 
 log = logging.getLogger("hllm.pipelines")
 

@@ -27,7 +27,7 @@ def setup(verbose: bool = False) -> bool:
     verbose = verbose or is_verbose()
     if verbose:
         os.environ[VERBOSE] = "1"
-    from hllm.recipes.job import console_logging
+    from hllm.job.config import console_logging
 
     console_logging(verbose)
     if not verbose:

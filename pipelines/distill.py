@@ -3,7 +3,7 @@
     ray job submit --working-dir . -- python pipelines/distill.py [--config configs/default.yaml] [key=value ...]
     python pipelines/distill.py cluster.train_workers=2           # local Ray, 2 CPU workers
 
-The library's student stage (`hllm.recipes.stages.train_student_stage`) decides whether to train and
+The library's student stage (`hllm.job.stages.train_student_stage`) decides whether to train and
 records the result; this module supplies the fit: each Ray Train worker builds the student from
 the library, wraps it with `deepspeed.initialize` (ZeRO stage from config; fp32 + gloo on CPU,
 bf16 + NCCL on CUDA), reads its shard of the rankings store through `ray.train.get_dataset_shard`
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit 
 from hllm.config import from_dict, to_dict  # noqa: E402
 from hllm.data import store  # noqa: E402
 from hllm.model.ranker import RankerConfig  # noqa: E402
-from hllm.recipes.stages import EvalReport, Fit, Rankings  # noqa: E402
+from hllm.job.stages import EvalReport, Fit, Rankings  # noqa: E402
 from pipelines import console  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics,  # noqa: E402
                               mlflow_run, parse_job, tracking_uri)
@@ -355,8 +355,8 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
     import mlflow
 
     from hllm.model.backbones import resolve_device
-    from hllm.recipes.job import student_ranker_config
-    from hllm.recipes.stages import evaluate_stage, load_teacher, train_student_stage
+    from hllm.job.config import student_ranker_config
+    from hllm.job.stages import evaluate_stage, load_teacher, train_student_stage
     from pipelines import evaluate, teacher_gen
     from pipelines.registry import log_student
 
@@ -385,7 +385,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> tuple[EvalRepo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hllm.recipes.stages import summary_lines
+    from hllm.job.stages import summary_lines
 
     cfg, _ = parse_job("Ray Train + DeepSpeed distillation of the single-pass student", argv)
     report, run_id = run(cfg)

@@ -2,12 +2,12 @@
 
     ray job submit --working-dir . -- python pipelines/evaluate.py [--config configs/default.yaml] [key=value ...]
 
-The library's evaluation stage (`hllm.recipes.stages.evaluate_stage`) asks a `ScoreTest` for the sums
+The library's evaluation stage (`hllm.job.stages.evaluate_stage`) asks a `ScoreTest` for the sums
 of the test split and times a few requests itself; this module supplies the sums from Ray Data: each
 shard of the test rankings store is read where it lies (`read_binary_files`: a file is a row) and
 handed to one of `cluster.teacher_actors` actors, each holding the student and the teacher (which
 decodes freely where its rankings were constrained). A shard comes back as one row, the partial sums
-of `hllm.recipes.stages.shard_sums` (the same batches as in one process), which add up in any order
+of `hllm.job.stages.shard_sums` (the same batches as in one process), which add up in any order
 to exactly the figures of the in-process evaluation. The driver holds a shard's sums at a time, never
 a slate.
 """
@@ -28,7 +28,7 @@ from hllm.config import from_dict, to_dict  # noqa: E402
 from hllm.data import store  # noqa: E402
 from hllm.data.progress import Progress  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
-from hllm.recipes.stages import Rankings, ScoreTest, EvalSums  # noqa: E402
+from hllm.job.stages import Rankings, ScoreTest, EvalSums  # noqa: E402
 from pipelines.common import PipelineConfig, cluster_has_gpus, init_ray, parse_job, wait_for_actors  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.evaluate")
@@ -40,7 +40,7 @@ class EvalActor:
     def __init__(self, job: dict[str, Any], teacher_model: dict[str, Any], student_dir: str, use_gpu: bool):
         import torch
 
-        from hllm.recipes.stages import load_teacher
+        from hllm.job.stages import load_teacher
         from hllm.reranker import Reranker
 
         self.cfg = cfg = from_dict(PipelineConfig, job)
@@ -50,7 +50,7 @@ class EvalActor:
         self.reranker = Reranker.load(student_dir, device=device, merge_lora=True, decoder=cfg.eval.main_decoder)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from hllm.recipes.stages import shard_sums
+        from hllm.job.stages import shard_sums
 
         parts = [shard_sums(self.reranker, self.teacher, store.shard_rows(b), self.cfg.eval) for b in batch["bytes"].to_pylist()]
         return pa.table({"slates": [p.slates for p in parts], "sums": [pickle.dumps(p) for p in parts]})  # exact Fractions
@@ -89,7 +89,7 @@ def ray_scorer(cfg: PipelineConfig, teacher_model: ModelConfig) -> ScoreTest:
 def main(argv: list[str] | None = None) -> None:
     """Evaluates `output_dir/student` on the test split's teacher rankings (generated or reused)."""
     from hllm.model.backbones import resolve_device
-    from hllm.recipes.stages import evaluate_stage, load_teacher, summary_lines
+    from hllm.job.stages import evaluate_stage, load_teacher, summary_lines
     from pipelines import teacher_gen
 
     cfg, _ = parse_job("Evaluation of the student on the test split, on a Ray actor pool", argv)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit 
 
 from hllm.config import to_dict  # noqa: E402
 from hllm.data import store  # noqa: E402
-from hllm.recipes.stages import summary_lines  # noqa: E402
+from hllm.job.stages import summary_lines  # noqa: E402
 from pipelines import data as data_stage, distill  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, parse_job, mlflow_run, tracking_uri  # noqa: E402
 

@@ -6,7 +6,7 @@
     hllm refresh refresh.log_path=runs/traffic           # the same, on a local or the current Ray
 
 Ray Data reads the traffic log (files Parquet could not open are skipped and counted), classifies
-and hashes every row in parallel; the driver deduplicates and samples (`hllm.recipes.flywheel`). The new
+and hashes every row in parallel; the driver deduplicates and samples (`hllm.job.refresh`). The new
 slates are labelled by the job's teacher through the same generation stage as the main job (an
 actor pool, Parquet shards: a rerun resumes), mixed with a replay share of the original training
 rankings, and Ray Train + DeepSpeed fine-tunes the champion's own weights on them. Champion and
@@ -35,7 +35,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from hllm.data import store, traffic  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
-from hllm.recipes.flywheel import (NothingToRefresh, Verdict, gate, refuse_foreign, replay_mix,  # noqa: E402
+from hllm.job.refresh import (NothingToRefresh, Verdict, gate, refuse_foreign, replay_mix,  # noqa: E402
                                    reused_rankings, select_slates, side_by_side)
 from hllm.uris import registry_alias  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job, tracking_uri  # noqa: E402
@@ -99,8 +99,8 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
     import mlflow
 
     from hllm import Reranker
-    from hllm.recipes.job import student_ranker_config
-    from hllm.recipes.stages import teacher_rankings_stage
+    from hllm.job.config import student_ranker_config
+    from hllm.job.stages import teacher_rankings_stage
     from pipelines import distill, teacher_gen
     from pipelines.registry import log_student, pin, promote
 

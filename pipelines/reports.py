@@ -1,7 +1,7 @@
 """The ablation study's reports: a Markdown table, a CSV with every decoder, and PNG plots.
 
 Report writing and plotting live here, outside the library (`hllm/` stays free of matplotlib);
-the statistics they show come from `hllm.recipes.ablations`.
+the statistics they show come from `hllm.job.ablations`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from hllm.recipes.ablations import METRICS, REFERENCE, Row
+from hllm.job.ablations import METRICS, REFERENCE, Row
 
 
 def _fmt(mean: float, ci: float, digits: int = 4) -> str:

@@ -3,7 +3,7 @@
     hllm rerank --model runs/default/student --data DIR --out run.trec --ray --actors 4
 
 The same mechanism as teacher generation (`pipelines/teacher_gen.py`): each actor loads the ranker
-once (`hllm.recipes.collection.ShardRanker`, a GPU each where the cluster has them) and, per shard, ranks
+once (`hllm.job.collection.ShardRanker`, a GPU each where the cluster has them) and, per shard, ranks
 it and writes it atomically (`hllm.eval.runfile.ShardWriter.write`); the driver joins the shards. On a
 multi-node cluster the run file's folder must be storage every node sees.
 """
@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from hllm.data import store
 from hllm.eval.runfile import ShardedRun, ShardWriter
-from hllm.recipes.collection import MapShards, RerankSpec, ShardRanker, answers_folder
+from hllm.job.collection import MapShards, RerankSpec, ShardRanker, answers_folder
 from hllm.records import RerankRequest
 
 

@@ -5,10 +5,10 @@
 
 The slates come from the data stage (`pipelines/data.py`): its Parquet shards are read by Ray Data and
 streamed through the actor pool; the driver holds none. The library's teacher-rankings stage
-(`hllm.recipes.stages.teacher_rankings_stage`) decides whether there is anything to rank and checks
+(`hllm.job.stages.teacher_rankings_stage`) decides whether there is anything to rank and checks
 completeness from the store's footers (slate count and id sum equal the split's); this module only
 supplies how: each actor loads the teacher once and, per batch of slates, calls
-`hllm.recipes.stages.rank_and_write`, which writes one shard of the rankings store (`hllm.data.store`:
+`hllm.job.stages.rank_and_write`, which writes one shard of the rankings store (`hllm.data.store`:
 typed Parquet, atomic, its summary in the footer). A restarted run skips the slates already written
 and ends with exactly one row per slate. Every split (train, val, test) is produced this way.
 
@@ -38,7 +38,7 @@ from hllm.data import store  # noqa: E402
 from hllm.data.progress import Progress  # noqa: E402
 from hllm.data.splits import SPLITS  # noqa: E402
 from hllm.model.backbones import ModelConfig  # noqa: E402
-from hllm.recipes.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
+from hllm.job.stages import Rankings, RankSlates, bootstrap_teacher_stage, teacher_rankings_stage  # noqa: E402
 from hllm.teacher.endpoint import FailureBudget  # noqa: E402
 from pipelines import data as data_stage  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics, mlflow_run, parse_job,
@@ -56,7 +56,7 @@ class TeacherActor:
         import ray
         import torch
 
-        from hllm.recipes.stages import load_teacher
+        from hllm.job.stages import load_teacher
 
         cfg = from_dict(PipelineConfig, job)
         torch.set_num_threads(cfg.threads or 1)
@@ -66,7 +66,7 @@ class TeacherActor:
         self.node_id = ray.get_runtime_context().get_node_id()  # provenance of every row
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from hllm.recipes.stages import rank_and_write
+        from hllm.job.stages import rank_and_write
         from hllm.teacher.endpoint import failure_counts
 
         t0 = time.perf_counter()

@@ -19,10 +19,10 @@ from fastapi.responses import Response
 from ray import serve
 from ray.serve import Application
 
-from hllm.recipes.cascade import Escalation, OnlineCascade
+from hllm.serving.cascade import Escalation, OnlineCascade
 from hllm.uris import registry_alias
 from serve.common import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, RerankMetrics, Served, error_response, escalated,
-                          framework_errors, json_response, model_card, model_id, pinned_model, replica_args, replica_name,
+                          framework_errors, json_response, model_listing, model_id, pinned_model, replica_args, replica_name,
                           traffic_record)
 from serve.schemas import ModelList, RerankBody, RerankResponse
 
@@ -155,7 +155,7 @@ class RerankDeployment:
 
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return ModelList(data=[model_card(self.args.model_name, self.served, self.args)])
+        return ModelList(data=[model_listing(self.args.model_name, self.served, self.args)])
 
 
 def app_builder(args: dict) -> Application:

@@ -2,8 +2,8 @@
 import it, and it imports neither. Serve's start-up on a busy machine, the builder's arguments (`AppArgs`), a replica's
 answering core (`Answerer`: encode, one batched forward pass per model, the final ranking step of `hllm.Reranker`), the
 documented error shapes (`ERRORS`, `error_response`, `framework_errors`), bearer auth and body limits
-(`LimitsAndAuth`), the Prometheus figures (`RerankMetrics`), a served model's card (`model_card`) and its traffic-log
-record (`traffic_record`)."""
+(`LimitsAndAuth`), the Prometheus figures (`RerankMetrics`), a served model as `/v1/models` lists it
+(`model_listing`) and its traffic-log record (`traffic_record`)."""
 
 import asyncio
 import hashlib
@@ -24,8 +24,8 @@ from ray import serve
 from hllm.data.traffic import TrafficLogConfig
 from hllm.model.confidence import Confidence
 from hllm.model.prompts import EncodedPrompt
-from hllm.recipes.cascade import CascadeConfig, Escalation, OnlineCascade
-from hllm.recipes.rollout import RolloutConfig
+from hllm.serving.cascade import CascadeConfig, Escalation, OnlineCascade
+from hllm.serving.rollout import RolloutConfig
 from hllm.reranker import UNKNOWN_TOKEN_WARNING, vocabulary_warning
 from hllm.uris import registry_alias
 from serve.schemas import (ErrorBody, Meta, ModelCard, RerankBody, RerankResponse, RerankResult, ResultDocument,
@@ -89,7 +89,7 @@ class AppArgs(BaseModel):
     students: dict[str, str] | None = None
     default_student: str | None = None  # None: the first of `students`
     max_models_per_replica: int = 3  # students a replica holds at once, least recently used evicted
-    # shadow and canary of a candidate student beside the default one (hllm.recipes.rollout; docs/rollout.md)
+    # shadow and canary of a candidate student beside the default one (hllm.serving.rollout; docs/rollout.md)
     rollout: RolloutConfig | None = None
     tracking_uri: str | None = None  # MLflow, for model URIs (default: MLFLOW_TRACKING_URI)
     model_name: str = "hllm-student"
@@ -116,7 +116,7 @@ class AppArgs(BaseModel):
     # loaded beside the serving version and swapped in (no request fails; meta.model_version says which
     # answered). None: resolved once, at start
     alias_poll_s: float | None = 15.0
-    # opt-in: the online cascade (hllm.recipes.cascade): a request whose confidence is below the threshold is answered
+    # opt-in: the online cascade (hllm.serving.cascade): a request whose confidence is below the threshold is answered
     # by a served AR teacher within `deadline_ms`, else by the student; meta.answered_by says which
     cascade: CascadeConfig | None = None
 
@@ -310,7 +310,7 @@ class RerankMetrics:
                                      "(registry unreachable, a version that would not load)", tag_keys=("outcome",))
         # the online cascade (AppArgs.cascade)
         self.cascade = metrics.Counter("hllm_cascade_requests", description="requests answered under the cascade, by who "
-                                       "answered (hllm.recipes.cascade.ANSWERED_BY): escalations are all but `student`",
+                                       "answered (hllm.serving.cascade.ANSWERED_BY): escalations are all but `student`",
                                        tag_keys=("answered_by",))
         self.deadline_misses = metrics.Counter("hllm_cascade_deadline_misses", description="escalations whose teacher "
                                                "answer missed cascade.deadline_ms (the student's answer stood)")
@@ -457,7 +457,8 @@ class Answerer:
 
     def _vocabulary(self, share: float, reranker, trust: float | None = None) -> dict:
         """meta's unknown-token share, the domain guard's trust, and what they warn of."""
-        warning = vocabulary_warning(share, reranker.card.get("vocabulary", "see /v1/models"), self.args.unknown_token_warning)
+        vocabulary = reranker.card.vocabulary if reranker.card is not None else None
+        warning = vocabulary_warning(share, vocabulary or "see /v1/models", self.args.unknown_token_warning)
         warnings = [warning] if warning else []
         if trust is not None and trust < 1:
             warnings.append(f"this request is unlike the model's training data (domain guard trust {trust:.2f}): "
@@ -487,14 +488,14 @@ class Answerer:
                                        timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
 
 
-def model_card(name: str, served: Served, args: AppArgs) -> ModelCard:
+def model_listing(name: str, served: Served, args: AppArgs) -> ModelCard:
     """A served student as `/v1/models` lists it."""
     reranker = served.reranker
     card = reranker.card
     return ModelCard(
         id=name, model_version=served.model_id, max_documents=args.max_documents, positions=reranker.positions,
-        window=args.window, base_model=card.get("base_model"), training_data=card.get("training_data"),
-        vocabulary=card.get("vocabulary"), card=card,
+        window=args.window, base_model=card and card.base_model, training_data=card and card.training_data,
+        vocabulary=card and card.vocabulary, card=card.to_json() if card is not None else {},
         relevance_score=("calibrated P(relevant) (grade >= {}), non-increasing along the results; raw_scores: true "
                          "for the decoder's".format(reranker.calibrator.rel) if reranker.calibrator
                          else "the decoder's rank-derived score, not a probability (this model has no calibration)"),

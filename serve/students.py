@@ -6,7 +6,7 @@ Three deployments, four with a rollout (`students_app`), built from the same `se
 app:
 
 - `Router` (the HTTP ingress; light, any number of replicas): reads `model` from the body, resolves it to one immutable
-  model (`hllm.recipes.rollout.ModelCatalog`: an alias pinned to its version), picks the canary's arm (sticky), calls
+  model (`hllm.serving.rollout.ModelCatalog`: an alias pinned to its version), picks the canary's arm (sticky), calls
   `Students` with `handle.options(multiplexed_model_id=<that model>)`, and answers. Off the response path it hands
   the shadow's and the canary's pairs to a bounded queue (a full queue drops, counted; it never waits), ranks them
   with the other model, and records their agreement (Kendall tau, top-10 overlap), latencies and errors in Prometheus,
@@ -14,7 +14,7 @@ app:
 - `Students` (the models; `@serve.multiplexed`): at most `max_models_per_replica` students a replica, least recently
   used evicted; Serve's router prefers a replica that holds the requested model. Each answer is `serve.common.Answerer`'s,
   as in the one-student app; a batch holds one forward pass per model, never a mixed one.
-- `Rollout` (one replica): the candidate's `hllm.recipes.rollout.Rollout` — warm-up, shadow, canary steps, rollback on
+- `Rollout` (one replica): the candidate's `hllm.serving.rollout.Rollout` — warm-up, shadow, canary steps, rollback on
   a guard, promotion (the registry alias moved) — each decision a log line, a metric and a row of `rollout.log_path`.
 - `Shadows` (with a rollout): Students replicas of their own, at a lower CPU priority, for the calls off the response
   path (the shadow, the champion beside a canary answer): a replica runs one forward pass at a time, so a shadow's
@@ -37,11 +37,12 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from hllm.recipes.rollout import (NO_ROLLOUT, Decision, ModelCatalog, Rollout, RolloutConfig, Route, UnknownModel,
-                                  Window, bucket, pair_agreement, registry_version, write_decision)
+from hllm.serving.rollout import (NO_ROLLOUT, Decision, ModelCatalog, Rollout, RolloutConfig, Route, UnknownModel,
+                                  Window, pair_agreement, registry_version, write_decision)
+from hllm.data.splits import unit_hash
 from hllm.uris import registry_alias
 from serve.common import (ERRORS, AppArgs, Answerer, Failure, LimitsAndAuth, error_response, framework_errors, json_response,
-                          model_card, replica_args, replica_name)
+                          model_listing, replica_args, replica_name)
 from serve.schemas import ModelCard, ModelList, ModelNotFoundBody, RerankBody, RerankResponse, ResultDocument
 
 logger = logging.getLogger("ray.serve")
@@ -140,7 +141,7 @@ class Students:
         return time.perf_counter() - t0
 
     async def card(self, name: str) -> ModelCard:
-        return model_card(name, await self._get(serve.get_multiplexed_model_id()), self.args)
+        return model_listing(name, await self._get(serve.get_multiplexed_model_id()), self.args)
 
     async def held(self) -> dict:
         """This replica's loaded students (most recently used last) and its load history."""
@@ -154,7 +155,7 @@ class Students:
 
 @serve.deployment(name="Rollout", num_replicas=1, ray_actor_options={"num_cpus": 0})
 class RolloutController:
-    """The one place a rollout is decided: routers send their windows, it runs `hllm.recipes.rollout.Rollout`, moves
+    """The one place a rollout is decided: routers send their windows, it runs `hllm.serving.rollout.Rollout`, moves
     the registry alias on promotion, and starts a new rollout when the candidate's alias moves to a new version."""
 
     def __init__(self, args: dict, students: DeploymentHandle, shadows: DeploymentHandle):
@@ -373,7 +374,7 @@ class Router:
         arm, champion_route, version = "", route, self.state["version"]  # the rollout this request belongs to
         if self.rollout is not None and route.name == self.catalog.default and version:
             arm = "champion"
-            if self.state["share"] > 0 and bucket(self._sticky_key(body, request), version) < self.state["share"]:
+            if self.state["share"] > 0 and unit_hash(f"{version}:{self._sticky_key(body, request)}") < self.state["share"]:
                 arm, route = "candidate", Route(self.rollout.candidate, version)
         full = body.model_copy(update={"top_n": None, "return_documents": False})
         answered, ms = await self._ask(route.uri, full)
@@ -444,7 +445,7 @@ class Router:
         if self._queue is None or not version:
             return None
         if arm == "champion" and self.state["shadowing"] and self.rollout.shadow is not None \
-                and bucket(answered.id, "shadow") < self.rollout.shadow.share:
+                and unit_hash(f"shadow:{answered.id}") < self.rollout.shadow.share:
             pair = Pair(body, answered, arm, version, version, record)
         elif arm == "candidate":
             pair = Pair(body, answered, arm, version, champion.uri, record)

@@ -10,7 +10,7 @@ from pathlib import Path
 from ray.cluster_utils import Cluster
 
 from hllm.config import load_config
-from hllm.recipes.job import student_ranker_config
+from hllm.job.config import student_ranker_config
 from pipelines import data, distill, teacher_gen
 from pipelines.common import PipelineConfig
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from hllm.config import ConfigError, load_config
-from hllm.recipes.ablations import AblationConfig, aggregate, decoder_comparison, expand_cells, mean_ci, slates_of_size, with_seed
-from hllm.recipes.job import JobConfig
+from hllm.job.ablations import AblationConfig, aggregate, decoder_comparison, expand_cells, mean_ci, slates_of_size, with_seed
+from hllm.job.config import JobConfig
 from pipelines.reports import markdown_report, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -65,7 +65,7 @@ def test_a_calibrated_student_ranks_with_relevance(tiny_backbone, small_splits, 
     from hllm import Reranker
     from hllm.model.heads import HeadConfig
     from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-    from hllm.recipes.stages import calibrate_student
+    from hllm.job.stages import calibrate_student
 
     from conftest import TINY
 

@@ -9,7 +9,7 @@ import pytest
 
 from hllm.model.confidence import SIGNALS, assignment_margin, confidence
 from hllm.model.decoding import DECODERS
-from hllm.recipes.cascade import CascadeRule
+from hllm.serving.cascade import CascadeRule
 
 from conftest import gold_run
 from test_cli import _beir, student  # noqa: F401 (the module's tiny student fixture)
@@ -140,7 +140,7 @@ def test_thresholds_fitted_on_training_queries_are_saved_with_the_model_and_give
     from hllm import Reranker
     from hllm.data.readers import read_beir
     from hllm.model.confidence import CascadeThresholds, Confidence
-    from hllm.recipes.cascade import fit_thresholds
+    from hllm.serving.cascade import fit_thresholds
 
     rng = np.random.default_rng(0)
     conf = [Confidence(float(m), 0.5, 1.0, 1.0) for m in rng.uniform(0, 10, size=400)]
@@ -164,7 +164,7 @@ def test_thresholds_fitted_on_training_queries_are_saved_with_the_model_and_give
 
 
 def test_the_circuit_breaker_opens_after_failures_in_a_row_and_tries_one_request_later():
-    from hllm.recipes.cascade import CircuitBreaker
+    from hllm.serving.cascade import CircuitBreaker
 
     now = [0.0]
     b = CircuitBreaker(failures=3, reset_s=10, clock=lambda: now[0])
@@ -186,7 +186,7 @@ def test_the_circuit_breaker_opens_after_failures_in_a_row_and_tries_one_request
 
 def test_the_online_cascade_needs_a_threshold_or_the_models_table():
     from hllm.model.confidence import CascadeThresholds, Confidence
-    from hllm.recipes.cascade import CascadeConfig, OnlineCascade
+    from hllm.serving.cascade import CascadeConfig, OnlineCascade
 
     teacher = {"url": "http://127.0.0.1:9/v1", "model": "m"}
     with pytest.raises(ValueError, match="url"):
@@ -207,7 +207,7 @@ def online(teacher_server, fault_proxy, monkeypatch):
     """An online cascade against the real teacher server, through the fault proxy."""
     from teacher_server import API_KEY, MODEL
 
-    from hllm.recipes.cascade import CascadeConfig, OnlineCascade
+    from hllm.serving.cascade import CascadeConfig, OnlineCascade
 
     monkeypatch.setenv("HLLM_TEST_TEACHER_KEY", API_KEY)
 

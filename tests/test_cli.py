@@ -85,7 +85,7 @@ def test_rerank_writes_a_run_that_evaluate_reads_back(student, tmp_path, capsys)
 
 
 def test_a_crashed_rerank_resumes_from_its_shards(student, tmp_path, monkeypatch):
-    from hllm.recipes import collection
+    from hllm.job import collection
 
     data = _beir(tmp_path / "beir", queries=4)
     args = ["rerank", "--model", str(student), "--data", str(data), "--window", "4", "--shard-size", "1", "--quiet"]
@@ -115,7 +115,7 @@ def test_a_crashed_rerank_resumes_from_its_shards(student, tmp_path, monkeypatch
 
 
 def test_a_shard_folder_from_other_settings_is_refused(student, tmp_path, capsys, monkeypatch):
-    from hllm.recipes import collection
+    from hllm.job import collection
 
     data = _beir(tmp_path / "beir")
     out = tmp_path / "run.trec"
@@ -284,7 +284,7 @@ def test_the_console_script_and_every_help():
 
 def test_rerank_with_the_ar_teacher_of_a_job(tmp_path, capsys):
     from hllm.config import to_dict
-    from hllm.recipes.job import JobConfig, TeacherStageConfig
+    from hllm.job.config import JobConfig, TeacherStageConfig
 
     job = tmp_path / "job"
     job.mkdir()
@@ -347,7 +347,7 @@ def test_progress_moves_per_group_of_queries_not_per_shard(student, tmp_path):
     """A shard of many queries used to show 0/N until the whole shard was done; now the bar moves per
     `--batch-size` queries (their windows share forward passes), and the totals are the shard's."""
     from hllm.data.readers import read_beir
-    from hllm.recipes.collection import RerankSpec, ShardRanker
+    from hllm.job.collection import RerankSpec, ShardRanker
 
     slates = read_beir(_beir(tmp_path / "beir", queries=5), top_n=10)
     told: list[int] = []

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from hllm.config import ConfigError, flatten, load_config, parse_overrides
-from hllm.recipes.job import JobConfig
+from hllm.job.config import JobConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

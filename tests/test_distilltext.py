@@ -231,12 +231,12 @@ def test_a_variant_grades_the_teacher_to_its_own_depth(tmp_path):
 
     import torch
 
-    from hllm.recipes.distilltext import Fitter, Query, Variant
-    from hllm.records import Candidate, Query as Q, RerankRequest
+    from hllm.recipes.distilltext import CachedQuery, Fitter, Variant
+    from hllm.records import Candidate, Query, RerankRequest
 
     cfg = tiny_config(tmp_path)  # teacher_depth=4
-    slate = RerankRequest(Q("q0", "text"), [Candidate(f"d{i}", "x") for i in range(6)], [0, 1, 0, 2, 0, 0])
-    query = Query(slate, {layer: torch.zeros(6, 2 * 3) for layer in cfg.layers}, {"gold": [3, 1, 0, 2, 5, 4]})
+    slate = RerankRequest(Query("q0", "text"), [Candidate(f"d{i}", "x") for i in range(6)], [0, 1, 0, 2, 0, 0])
+    query = CachedQuery(slate, {layer: torch.zeros(6, 2 * 3) for layer in cfg.layers}, {"gold": [3, 1, 0, 2, 5, 4]})
     fitter = Fitter(cfg, None, width=3)
     for depth, want in ((None, [2, 3, 1, 4, 0, 0]), (6, [4, 5, 3, 6, 1, 2]), (1, [0, 0, 0, 1, 0, 0])):
         v = Variant(name="v", target="teacher", layer=2, pooling="mean", teacher_depth=depth)

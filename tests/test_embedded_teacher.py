@@ -11,8 +11,8 @@ from hllm.data.synthetic import SyntheticConfig, generate
 from hllm.eval.evaluation import evaluate_teacher, first_stage_order, quality
 from hllm.model.backbones import EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256
 from hllm.model.ranker import RankerConfig, SinglePassRanker
-from hllm.recipes.job import JobConfig
-from hllm.recipes.stages import load_teacher
+from hllm.job.config import JobConfig
+from hllm.job.stages import load_teacher
 from hllm.recipes.workflow import run
 from pipelines.cli import main as cli
 

@@ -15,7 +15,7 @@ from hllm.config import ConfigError, load_config
 from hllm.data.synthetic import SyntheticConfig, generate
 from hllm.model.prompts import PromptConfig, answer_chars, prompt_messages
 from hllm.records import ParseCounts, TeacherRanking
-from hllm.recipes.job import JobConfig
+from hllm.job.config import JobConfig
 from hllm.teacher.endpoint import (EndpointAuthError, EndpointConfig, EndpointTeacher, FailureBudget, TeacherFailed,
                                    endpoint_figures, latency_bin, latency_quantile)
 from hllm.teacher.generation import TeacherConfig
@@ -215,7 +215,7 @@ def job(url: str, out, *more: str) -> list[str]:
 @pytest.mark.slow
 def test_the_stage_stops_past_the_budget_then_resumes_asking_only_what_failed(teacher_server, fault_proxy, tmp_path):
     from hllm.data.splits import load_splits
-    from hllm.recipes.stages import load_teacher, rank_in_process, teacher_model, teacher_rankings_stage
+    from hllm.job.stages import load_teacher, rank_in_process, teacher_model, teacher_rankings_stage
 
     cfg = load_config(JobConfig, None, job(fault_proxy.url, tmp_path, "teacher.max_failed_share=0.25"))
     train = load_splits(cfg.data)["train"]

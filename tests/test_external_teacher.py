@@ -130,8 +130,8 @@ def test_a_job_distils_from_a_rankings_file_counting_what_it_lacks(tmp_path):
     from hllm.config import ConfigError, load_config
     from hllm.data.splits import load_splits
     from hllm.eval.evaluation import quality
-    from hllm.recipes.job import JobConfig
-    from hllm.recipes.stages import summary_lines
+    from hllm.job.config import JobConfig
+    from hllm.job.stages import summary_lines
     from hllm.recipes.workflow import run
 
     splits = load_splits(load_config(JobConfig, None, FILE_JOB + ["teacher.rankings=/dev/null"]).data)

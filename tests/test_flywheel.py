@@ -17,7 +17,7 @@ import requests
 from hllm.config import load_config
 from hllm.data.synthetic import SyntheticConfig, generate
 from hllm.data.traffic import request_key
-from hllm.recipes.flywheel import NothingToRefresh
+from hllm.job.refresh import NothingToRefresh
 from pipelines import refresh
 from pipelines.common import PipelineConfig
 from pipelines.registry import pin, promote

@@ -13,10 +13,12 @@ import torch
 from hllm import Reranker
 from hllm.config import load_config
 from hllm.data import store
-from hllm.recipes.job import student_ranker_config
-from hllm.recipes.stages import evaluate_stage, load_teacher
+from hllm.job.config import student_ranker_config
+from hllm.job.stages import evaluate_stage, load_teacher
 from pipelines import distill, teacher_gen
 from pipelines.common import PipelineConfig
+
+from conftest import seed_teacher_rankings
 
 pytestmark = pytest.mark.slow
 
@@ -119,10 +121,10 @@ def _kill_one_worker_after_first_checkpoint(storage: Path, killed: list):
             return
 
 
-def test_killed_worker_resumes_from_the_latest_checkpoint(ray_local, tmp_path):
-    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=30",
-                                                      "distill.checkpoint_every=2"])
-    teacher_model, rankings = teacher_gen.run(cfg, splits=("train", "val"))
+def test_killed_worker_resumes_from_the_latest_checkpoint(tiny_job, tmp_path):
+    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={seed_teacher_rankings(tiny_job[3], tmp_path)}",
+                                                      "student.train.steps=30", "distill.checkpoint_every=2"])
+    teacher_model, rankings = teacher_gen.run(cfg, splits=("train", "val"))  # the session's, reused
     killed: list = []
     killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(tmp_path / "ray_train", killed))
     killer.start()

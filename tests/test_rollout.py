@@ -1,10 +1,11 @@
-"""The rollout's library half (hllm.recipes.rollout): routing names, sticky buckets, agreement, the state machine."""
+"""The rollout's library half (hllm.serving.rollout): routing names, sticky buckets, agreement, the state machine."""
 
 import numpy as np
 import pytest
 
-from hllm.recipes.rollout import (CanaryConfig, registry_version, Guards, ModelCatalog, Rollout, RolloutConfig, ShadowConfig, UnknownModel,
-                                  Window, bucket, pair_agreement, read_decisions, status_table, write_decision)
+from hllm.data.splits import unit_hash
+from hllm.serving.rollout import (CanaryConfig, registry_version, Guards, ModelCatalog, Rollout, RolloutConfig, ShadowConfig, UnknownModel,
+                                  Window, pair_agreement, read_decisions, status_table, write_decision)
 
 
 class Registry:
@@ -87,14 +88,16 @@ def test_catalog_config_errors():
 
 def test_buckets_are_stable_uniform_and_sticky_as_the_share_grows():
     keys = [f"tenant-{i}" for i in range(4000)]
-    values = np.array([bucket(k, "v2") for k in keys])
+    values = np.array([unit_hash(f"v2:{k}") for k in keys])
     assert values.min() >= 0 and values.max() < 1
     assert abs((values < 0.1).mean() - 0.1) < 0.02 and abs((values < 0.5).mean() - 0.5) < 0.03
-    assert [bucket(k, "v2") for k in keys[:10]] == list(values[:10])  # the same on every call (and replica)
+    assert [unit_hash(f"v2:{k}") for k in keys[:10]] == list(values[:10])  # the same on every call (and replica)
     in_10 = {k for k, v in zip(keys, values) if v < 0.1}
     in_25 = {k for k, v in zip(keys, values) if v < 0.25}
     assert in_10 <= in_25  # a tenant in the canary stays in as its share grows
-    assert np.mean([bucket(k, "v3") < 0.1 for k in in_10]) < 0.3  # a new version draws a new sample
+    assert np.mean([unit_hash(f"v3:{k}") < 0.1 for k in in_10]) < 0.3  # a new version draws a new sample
+    # the project's one hash is the one that has always split queries (DL19's 1037798: every recorded figure's split)
+    assert unit_hash("1037798") == 0.6992953973122163
 
 
 def test_pair_agreement():

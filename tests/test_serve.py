@@ -10,7 +10,7 @@ import requests
 from hllm import Reranker
 from hllm.model.heads import HeadConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.recipes.stages import calibrate_student
+from hllm.job.stages import calibrate_student
 from hllm.train.loop import LossConfig, TrainConfig, train_student
 
 from conftest import SERVE_PORT, TINY, graded_examples

@@ -8,8 +8,8 @@ import pytest
 
 from hllm.config import load_config
 from hllm.data import store
-from hllm.recipes.job import JobConfig
-from hllm.recipes.stages import DegenerateTeacher, teacher_rankings_stage, train_student_stage
+from hllm.job.config import JobConfig
+from hllm.job.stages import DegenerateTeacher, teacher_rankings_stage, train_student_stage
 from hllm.records import ParseCounts, RankedSlate, TeacherRanking
 
 
@@ -71,7 +71,7 @@ def test_the_rankings_stage_resumes_where_it_stopped(small_splits, tmp_path):
 
 
 def test_the_split_is_checked_against_the_store_footers_alone(small_splits, tmp_path):
-    from hllm.recipes.stages import ranking_summary
+    from hllm.job.stages import ranking_summary
 
     cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}"])
     slates = small_splits["train"][:6]
@@ -102,7 +102,7 @@ def test_the_split_is_checked_against_the_store_footers_alone(small_splits, tmp_
 
 
 def test_a_footer_summary_adds_up_and_old_shards_are_summarised_from_their_rows(small_splits, tmp_path):
-    from hllm.recipes.stages import ranking_summary
+    from hllm.job.stages import ranking_summary
 
     items = ranked(small_splits["train"][:5])
     store.write_shard(items[:2], tmp_path, ranking_summary(items[:2]))

@@ -14,7 +14,7 @@ from hllm import Reranker
 from hllm.model.heads import HeadConfig
 from hllm.model.backbones import ModelConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.recipes.stages import calibrate_student
+from hllm.job.stages import calibrate_student
 from hllm.train.loop import LossConfig, TrainConfig, train_student
 
 from conftest import SERVE_PORT, TINY, graded_examples
@@ -236,7 +236,7 @@ def test_each_guard_rolls_a_canary_back_and_a_good_one_is_promoted_with_no_faile
     by its guard) and then to a good one (stepped 0.3 -> 0.6, then promoted: @champion moved in the registry)."""
     import mlflow
 
-    from hllm.recipes.rollout import read_decisions, status_table
+    from hllm.serving.rollout import read_decisions, status_table
     from pipelines import cli
     from pipelines.registry import pin, promote
     from serve.faults import rollout_under_load

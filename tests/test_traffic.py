@@ -1,4 +1,4 @@
-"""The traffic log (hllm.data.traffic) and the flywheel's library steps (hllm.recipes.flywheel), without Ray."""
+"""The traffic log (hllm.data.traffic) and the flywheel's library steps (hllm.job.refresh), without Ray."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from hllm.recipes.flywheel import (NothingToRefresh, RefreshConfig, gate, pseudo_grades, refuse_foreign, replay_mix,
+from hllm.job.refresh import (NothingToRefresh, RefreshConfig, gate, pseudo_grades, refuse_foreign, replay_mix,
                                    reused_rankings, select_slates, side_by_side)
 from hllm.records import ParseCounts, RankedSlate, TeacherRanking
 from hllm.data.traffic import (SCHEMA, TrafficLog, TrafficLogConfig, TrafficRecord, clean_rows, log_files, read_log, row_status,

@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 
 from hllm import Reranker
 from hllm.config import load_config
-from hllm.recipes.job import JobConfig
-from hllm.recipes.stages import summary_lines
+from hllm.job.config import JobConfig
+from hllm.job.stages import summary_lines
 from hllm.recipes.workflow import run
 
 TINY_JOB = [
@@ -72,7 +72,7 @@ def test_evaluation_is_sums_of_shards_equal_in_any_order_and_to_the_whole_split_
     from hllm.data import store
     from hllm.eval.evaluation import first_stage_order, quality
     from hllm.eval.metrics import agreement
-    from hllm.recipes.stages import EvalReport, load_teacher, shard_sums, teacher_model
+    from hllm.job.stages import EvalReport, load_teacher, shard_sums, teacher_model
 
     cfg = load_config(JobConfig, None, TINY_JOB + [f"output_dir={tmp_path}", "eval.batch_slates=2"])
     report = run(cfg)

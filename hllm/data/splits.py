@@ -48,9 +48,12 @@ class DataConfig:
             raise ConfigError("data.max_bad_share must be in [0, 1)")
 
 
-def query_bucket(qid: str) -> float:
-    """A query id -> a number in [0, 1], the same on every machine."""
-    return int(hashlib.sha256(qid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+def unit_hash(key: str) -> float:
+    """A key -> a number in [0, 1], the same on every machine and every run: the project's one hash of an id.
+    `unit_hash(k) < share` keeps about `share` of the keys, always the same ones: a query's split, its fold (a salt
+    prefixed), a canary's tenants, the requests a traffic sample keeps or holds out. A salt prefixed to the key draws
+    an independent coin from the same keys."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
 
 def load_splits(cfg: DataConfig) -> dict[str, list[RerankRequest]]:
@@ -71,5 +74,5 @@ def load_splits(cfg: DataConfig) -> dict[str, list[RerankRequest]]:
 
 def split_of(qid: str, cfg: DataConfig) -> str:
     """A file source's query -> its split, by the hash of its id."""
-    b = query_bucket(qid)
+    b = unit_hash(qid)
     return "test" if b < cfg.test_fraction else "val" if b < cfg.test_fraction + cfg.val_fraction else "train"

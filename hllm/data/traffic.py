@@ -37,6 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hllm.data.splits import unit_hash
 from hllm.records import Candidate, Query, RerankRequest
 
 log = logging.getLogger("hllm.data.traffic")
@@ -74,11 +75,11 @@ class TrafficRecord:
     latency_ms: float
     unknown_token_share: float
     warnings: list[str] = field(default_factory=list)
-    # under Serve's cascade: who answered (hllm.recipes.cascade.ANSWERED_BY; "student" without a cascade) and the
+    # under Serve's cascade: who answered (hllm.serving.cascade.ANSWERED_BY; "student" without a cascade) and the
     # served teacher's ranking where it gave one (in time, or late: finish_late), else empty
     answered_by: str = "student"
     teacher_order: list[int] = field(default_factory=list)
-    # in a many-student app with a rollout (hllm.recipes.rollout): which arm answered ("champion", "candidate", ""
+    # in a many-student app with a rollout (hllm.serving.rollout): which arm answered ("champion", "candidate", ""
     # outside a rollout) and, for a request also ranked by the other arm off the response path (shadow, or the
     # champion beside a canary answer), that model, its full ranking, its agreement with the answer and its latency
     arm: str = ""
@@ -289,11 +290,6 @@ def request_key(query: str, documents: Sequence[str]) -> str:
     return hashlib.sha256(json.dumps([query, list(documents)]).encode()).hexdigest()[:24]
 
 
-def keep_share(key: str, share: float) -> bool:
-    """A deterministic coin from the request key: a request is always in, or always out."""
-    return int(key[:8], 16) / 16**8 < share
-
-
 STATUSES = ("ok", "other_model", "warned", "malformed", "sampled_out")
 
 
@@ -310,7 +306,7 @@ def row_status(row: dict[str, Any], model_key: str, share: float = 1.0) -> tuple
     if (not row.get("query") or len(docs) < 2 or row.get("n") != len(docs) or not order  # `order`: all, or the top_n asked
             or len(set(order)) != len(order) or not all(0 <= i < len(docs) for i in order)):
         return "malformed", key
-    return ("ok" if share >= 1 or keep_share(key, share) else "sampled_out"), key
+    return ("ok" if share >= 1 or unit_hash(f"sample:{key}") < share else "sampled_out"), key
 
 
 def classify_batch(batch: pa.Table, model_key: str, share: float) -> pa.Table:

@@ -28,58 +28,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hllm.config import from_dict, to_dict
-from hllm.model.backbones import (GGUF_FILES, PROVENANCE, ModelConfig, file_sha256, gguf_path, load_backbone, save_backbone,
-                                  weights_dir)
+from hllm.model.backbones import ModelConfig, load_backbone, save_backbone, weights_dir
+from hllm.model.card import CONFIG_FILE
 from hllm.model.heads import HeadConfig, build_head
 from hllm.model.item_states import POOLINGS, Pooling, layers_from, pooled_item_states
 from hllm.model.prompts import PromptBuilder, PromptConfig
-
-CONFIG_FILE = "hllm_ranker.json"
-CARD_FILE = "model_card.json"  # what the model knows (written by the job; optional)
-
-
-def write_model_card(directory: str | Path, card: dict) -> None:
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    (Path(directory) / CARD_FILE).write_text(json.dumps(card, indent=2))
-
-
-def write_provenance(directory: str | Path, model: ModelConfig, made_by: str, recipe: dict, **measured) -> None:
-    """`provenance.json` of a shipped student: what made it (`made_by`, the whole `recipe`), what it was
-    measured at (`measured`), the hashes of its own files and of the base model file it needs."""
-    target = Path(directory)
-    base = weights_dir(model) or (gguf_path(model.preset) if model.preset in GGUF_FILES else None)
-    base_file = base if base is not None and base.is_file() else None
-    provenance = {
-        "made_by": made_by, "recipe": recipe, **measured,
-        "sha256": {f.name: file_sha256(f) for f in sorted(target.iterdir()) if f.suffix in (".safetensors", ".json")
-                   and f.name not in (PROVENANCE, CARD_FILE)},
-        "base_model": {"preset": model.preset, "file": base_file.name if base_file else None,
-                       "sha256": file_sha256(base_file) if base_file else None},
-    }
-    (target / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-
-
-def record_in_provenance(directory: str | Path, name: str, made_by: str) -> None:
-    """A file added to a shipped student after its recipe ran (e.g. its cascade thresholds): its hash joins
-    `provenance.json`'s, with what wrote it."""
-    path = Path(directory) / PROVENANCE
-    provenance = json.loads(path.read_text())
-    provenance["sha256"][name] = file_sha256(Path(directory) / name)
-    provenance.setdefault("added", {})[name] = made_by
-    path.write_text(json.dumps(provenance, indent=2) + "\n")
-
-
-def read_model_card(directory: str | Path) -> dict:
-    """The saved card, or what the model's own config tells (base model, K, prompt) for one without."""
-    path = Path(directory) / CARD_FILE
-    if path.is_file():
-        return json.loads(path.read_text())
-    cfg = json.loads((Path(directory) / CONFIG_FILE).read_text())
-    return {"base_model": cfg["model"]["preset"], "positions": cfg["head"]["positions"],
-            "prompt": {"template": cfg["prompt"]["template"], "max_doc_tokens": cfg["prompt"]["max_doc_tokens"],
-                       "context_length": cfg["model"]["context_length"]},
-            "training_data": "unknown (saved without a model card)"}
-
 
 @dataclass
 class AdaptConfig:

@@ -1,3 +1,3 @@
-"""Recipes: the jobs that run the library end to end (the single-process workflow, real text, ablations, the
-flywheel, collection reranking, the cascade, the rollout's decisions). Leaves: they import every layer; nothing in
-`hllm` imports them."""
+"""Recipes: leaves, each one file with a `main()` over the library (the single-process job, the real-text students,
+the backbone adaptation), run by the `hllm` command or `python -m hllm.recipes.NAME`. Nothing in the library imports
+them (tests/test_purity.py)."""

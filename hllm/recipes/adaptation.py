@@ -59,7 +59,7 @@ from hllm.model.heads import HeadConfig, rank_prior
 from hllm.model.prompts import PromptConfig, collate
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, per_query, share_kept, teacher_grades
-from hllm.recipes.job import recipe_config
+from hllm.job.config import recipe_config
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
 from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates

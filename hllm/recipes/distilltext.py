@@ -51,8 +51,9 @@ from hllm.model.confidence import CascadeThresholds, confidence
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS, Pooling
 from hllm.model.prompts import PromptConfig
-from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card, write_provenance
-from hllm.recipes.job import recipe_config, start_recipe
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.card import ModelCard, PromptCard, write_model_card, write_provenance
+from hllm.job.config import recipe_config, start_recipe
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
 from hllm.train.head_fit import (StateSlate, cv_ridge, cv_sgd, decode_orders, query_folds, ridge_utility, score_state_slates,
@@ -139,7 +140,7 @@ class DistillTextConfig:
 
 
 @dataclass
-class Query:
+class CachedQuery:
     """One query of a collection: its slate, its states per layer, and each teacher's permutation."""
 
     slate: RerankRequest
@@ -147,7 +148,7 @@ class Query:
     perms: dict[str, list[int]]  # teacher name -> 0-based permutation, best first
 
 
-def load_queries(cfg: DistillTextConfig, ranker: SinglePassRanker, path: str, teachers: list[TeacherRun]) -> tuple[list[Query], dict]:
+def load_queries(cfg: DistillTextConfig, ranker: SinglePassRanker, path: str, teachers: list[TeacherRun]) -> tuple[list[CachedQuery], dict]:
     """The collection's slates with their cached states (computed where missing) and the teachers'
     rankings; -> (queries, each teacher's coverage counts). A query a teacher does not rank is an error
     here: the folds compare every method on the same queries."""
@@ -164,7 +165,7 @@ def load_queries(cfg: DistillTextConfig, ranker: SinglePassRanker, path: str, te
             raise ValueError(f"teacher {t.name}: {cov.uncovered} of {len(slates)} queries unranked, {cov.missing_ids} "
                              f"candidates left out ({cov.examples}); the folds need every query ranked whole")
         perms[t.name] = [r.permutation for r in rankings]
-    return [Query(s, {layer: states[layer][i] for layer in cfg.layers}, {t: p[i] for t, p in perms.items()})
+    return [CachedQuery(s, {layer: states[layer][i] for layer in cfg.layers}, {t: p[i] for t, p in perms.items()})
             for i, s in enumerate(slates)], coverage
 
 
@@ -188,12 +189,12 @@ class Fitter:
     def __init__(self, cfg: DistillTextConfig, ranker: SinglePassRanker, width: int):
         self.cfg, self.ranker, self.width = cfg, ranker, width
 
-    def judged(self, v: Variant, queries: list[Query]) -> list[StateSlate]:
+    def judged(self, v: Variant, queries: list[CachedQuery]) -> list[StateSlate]:
         """The queries as the variant's head reads them, graded by their qrels (no teacher)."""
         cols = _columns(self.cfg, v.pooling, self.width)
         return [StateSlate(q.slate, q.states[v.layer][:, cols]) for q in queries]  # states (N, P' * D)
 
-    def views(self, v: Variant, teacher: str | None, queries: list[Query]) -> tuple[list[StateSlate], list[StateSlate]]:
+    def views(self, v: Variant, teacher: str | None, queries: list[CachedQuery]) -> tuple[list[StateSlate], list[StateSlate]]:
         """-> (what the variant trains on, the same queries as the choice judges them: their qrels)."""
         judge = self.judged(v, queries)
         items = []
@@ -219,7 +220,7 @@ class Fitter:
         self.ranker.cfg = self.head_config(v)
         self.ranker.head = self.ranker.new_head().to(self.ranker.device)
 
-    def fit(self, v: Variant, teacher: str | None, queries: list[Query]) -> dict[str, Any]:
+    def fit(self, v: Variant, teacher: str | None, queries: list[CachedQuery]) -> dict[str, Any]:
         """Fits `ranker.head` on `queries`, its settings chosen by CV over them. -> the CV record."""
         items, judge = self.views(v, teacher, queries)
         self.new_head(v)
@@ -230,7 +231,7 @@ class Fitter:
         return cv_sgd(self.ranker, items, judge, self.cfg.cv_folds, train, loss, self.cfg.rel, lambda: self.new_head(v),
                       0, v.sample_items)
 
-    def matrices(self, v: Variant, queries: list[Query]) -> list[np.ndarray]:
+    def matrices(self, v: Variant, queries: list[CachedQuery]) -> list[np.ndarray]:
         """The fitted head's (N, K) score matrices of `queries` (whole lists, one pass each)."""
         return score_state_slates(self.ranker, self.judged(v, queries))
 
@@ -274,7 +275,7 @@ class ShippedProbe:
     def load(cls, name: str = "smollm2-dl19-rankvicuna") -> "ShippedProbe":
         from hllm.config import from_dict
         from hllm.model.backbones import PROVENANCE
-        from hllm.model.ranker import CONFIG_FILE
+        from hllm.model.card import CONFIG_FILE
         from hllm.uris import resolve_model_uri
 
         folder = resolve_model_uri(name)
@@ -291,7 +292,7 @@ def fold_key(cfg: DistillTextConfig) -> str:
     return fingerprint({k: to_dict(cfg)[k] for k in FOLD_FIELDS})
 
 
-def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) -> dict[str, Any]:
+def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[CachedQuery]) -> dict[str, Any]:
     """Every trial fitted on each fold's training queries and tested on its test queries; the methods'
     choices per fold. A finished fold is kept in `output_dir/folds` (under `fold_key`): a stopped run
     resumes at the next fold. -> {"trial_orders": {trial: per query its order}, "trial_matrices": {trial:
@@ -344,7 +345,7 @@ def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query]) 
             "fold_of": [fold_of[i] for i in range(len(queries))]}
 
 
-def calibration(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any], trial: str) -> tuple[Calibrator, dict]:
+def calibration(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[str, Any], trial: str) -> tuple[Calibrator, dict]:
     """P(relevant) for the student `trial` ships, from that trial's out-of-fold matrices (each query scored
     by the trial fitted on the other folds: a head that never saw it, of the variant shipped — not the mix of
     variants the folds chose, whose matrices differ in scale): the ECE on each fold's queries of a
@@ -387,7 +388,7 @@ def share_kept(student: np.ndarray, first: np.ndarray, teacher: np.ndarray, resa
     return {"share": float(ratio(student, first, teacher)), "ci_low": float(ci.low), "ci_high": float(ci.high)}
 
 
-def summarize(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any]) -> dict[str, Any]:
+def summarize(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[str, Any]) -> dict[str, Any]:
     """Per method and per trial: means over queries, Kendall tau to each teacher, and the share of each
     teacher's gain over the first stage that each student keeps (with its bootstrap interval)."""
     slates = [q.slate for q in queries]
@@ -406,7 +407,7 @@ def summarize(cfg: DistillTextConfig, queries: list[Query], folds: dict[str, Any
     return {"queries": len(qids), "table": table, "share_kept": shares}
 
 
-def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query], others: dict[str, list[Query]]) -> dict[str, Any]:
+def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[CachedQuery], others: dict[str, list[CachedQuery]]) -> dict[str, Any]:
     """Every trial fitted on every query of the teacher's collection (settings by CV over them) and tested
     on each of `others` (never trained on); each method's choice by the same CV score.
     -> {"chosen", "cv", "tests": {collection: {"queries", "methods", "trials"}}, "heads": {trial: (config, weights)},
@@ -436,7 +437,7 @@ def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[Query],
 
 
 def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict[str, Any], coverage: dict,
-         calibrator: Calibrator, calibrated: dict[str, Any], thresholds: CascadeThresholds) -> dict[str, Any]:
+         calibrator: Calibrator, calibrated: dict[str, Any], thresholds: CascadeThresholds) -> ModelCard:
     """The first teacher's distilled student (the trial its CV chose, fitted on every query) saved to
     `ship_to` with its calibration (`relevance_score`), its cascade thresholds and a model card that names the
     teacher and the data."""
@@ -450,29 +451,30 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
     calibrator.save(target)
     thresholds.save(target)
     cv = everything["cv"][trial]
-    card = {
-        "base_model": f"{rcfg.model.preset} (frozen, cut after decoder layer {rcfg.state_layer})",
-        "pooling": rcfg.pooling,
-        "teacher": {"name": teacher.name, "rankings": Path(teacher.rankings).name, "format": teacher.format,
-                    "coverage": coverage[teacher.name],
-                    "what": "distilled from the teacher's rankings alone (no relevance labels in the loss)"},
-        "training_data": {"collection": Path(cfg.collection).name, "queries": folds_summary["queries"], "top_n": cfg.top_n},
-        "variant": trial, "fit": cv, "chosen_by": f"{cfg.cv_folds}-fold CV over the training queries (nDCG@10 on their qrels)",
-        "positions": rcfg.head.positions, "window": cfg.top_n, "adapt": "frozen",
-        "prompt": {"template": rcfg.prompt.template, "max_doc_tokens": rcfg.prompt.max_doc_tokens,
-                   "context_length": rcfg.model.context_length},
-        "head": f"{rcfg.head.kind} with the first-stage prior ({rcfg.head.prior})",
-        "teacher_folds": {k: folds_summary["table"][k]["nDCG@10"] for k in ("first_stage", f"teacher@{teacher.name}",
-                                                                             f"student_distilled@{teacher.name}")},
-        "cross_year": {c: t["methods"].get(f"student_distilled@{teacher.name}") for c, t in everything["tests"].items()},
-        "input": "candidates in first-stage order, best first: the prior reads their ranks",
-        "relevance_score": {"what": f"calibrated P(grade >= {cfg.rel}), fitted on this variant's out-of-fold matrices of the teacher-folds",
-                            "fitted_on": calibrator.fitted_on, "ece_held_out_queries": calibrated["oof"]["ece"],
-                            "ece_cross_year": {c: r["ece"] for c, r in calibrated["cross_year"].items()}},
-    }
+    card = ModelCard(
+        base_model=f"{rcfg.model.preset} (frozen, cut after decoder layer {rcfg.state_layer})",
+        pooling=rcfg.pooling,
+        teacher={"name": teacher.name, "rankings": Path(teacher.rankings).name, "format": teacher.format,
+                 "coverage": coverage[teacher.name],
+                 "what": "distilled from the teacher's rankings alone (no relevance labels in the loss)"},
+        training_data={"collection": Path(cfg.collection).name, "queries": folds_summary["queries"], "top_n": cfg.top_n},
+        positions=rcfg.head.positions, window=cfg.top_n, adapt="frozen",
+        prompt=PromptCard(rcfg.prompt.template, rcfg.prompt.max_doc_tokens, rcfg.model.context_length),
+        head=f"{rcfg.head.kind} with the first-stage prior ({rcfg.head.prior})",
+        input="candidates in first-stage order, best first: the prior reads their ranks",
+        figures={
+            "variant": trial, "fit": cv, "chosen_by": f"{cfg.cv_folds}-fold CV over the training queries (nDCG@10 on their qrels)",
+            "teacher_folds": {k: folds_summary["table"][k]["nDCG@10"] for k in ("first_stage", f"teacher@{teacher.name}",
+                                                                                 f"student_distilled@{teacher.name}")},
+            "cross_year": {c: t["methods"].get(f"student_distilled@{teacher.name}") for c, t in everything["tests"].items()},
+            "relevance_score": {"what": f"calibrated P(grade >= {cfg.rel}), fitted on this variant's out-of-fold matrices of "
+                                        "the teacher-folds",
+                                "fitted_on": calibrator.fitted_on, "ece_held_out_queries": calibrated["oof"]["ece"],
+                                "ece_cross_year": {c: r["ece"] for c, r in calibrated["cross_year"].items()}}},
+    )
     write_model_card(target, card)
     write_provenance(target, rcfg.model, "hllm distilltext --config <the recipe below>", to_dict(cfg), fit=cv,
-                     teacher_folds=card["teacher_folds"], cross_year=card["cross_year"],
+                     teacher_folds=card.figures["teacher_folds"], cross_year=card.figures["cross_year"],
                      teacher_rankings_sha256={t.name: file_sha256(Path(t.rankings)) for t in cfg.teachers})
     return card
 
@@ -503,7 +505,7 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
     if cfg.ship_to:
         report["shipped"] = ship(cfg, everything, summary, coverage, calibrator, calibrated,
                                  oof_thresholds(folds["trial_matrices"][shipped], folds["trial_orders"][shipped],
-                                                Path(cfg.collection).name))
+                                                Path(cfg.collection).name)).to_json()
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
 

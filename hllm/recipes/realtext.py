@@ -40,16 +40,16 @@ import torch
 from hllm.config import to_dict
 from hllm.data.cache import fingerprint
 from hllm.data.readers import read_slates
-from hllm.data.splits import query_bucket
+from hllm.data.splits import unit_hash
 from hllm.eval.evaluation import first_stage_order, quality
 from hllm.eval.runfile import relevance_threshold
 from hllm.model.backbones import ModelConfig
 from hllm.model.confidence import CascadeThresholds
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
-from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, write_model_card
-from hllm.model.ranker import write_provenance as ranker_provenance
-from hllm.recipes.job import recipe_config, start_recipe
+from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+from hllm.model.card import ModelCard, PromptCard, write_model_card, write_provenance
+from hllm.job.config import recipe_config, start_recipe
 from hllm.records import RerankRequest
 from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, guarded_orders, state_confidence
 from hllm.train.loop import LossConfig, TrainConfig
@@ -130,7 +130,7 @@ def collection_name(path: str) -> str:
 
 def split_by_hash(slates: list[RerankRequest], fraction: float) -> tuple[list[RerankRequest], list[RerankRequest]]:
     """-> (queries with a hash >= fraction, the others): the same split on every machine."""
-    return [s for s in slates if query_bucket(s.slate_id) >= fraction], [s for s in slates if query_bucket(s.slate_id) < fraction]
+    return [s for s in slates if unit_hash(s.slate_id) >= fraction], [s for s in slates if unit_hash(s.slate_id) < fraction]
 
 
 class Collections:
@@ -304,29 +304,30 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
                          "student": measure(ranker, t_items, rel), **guarded(ranker, t_items, rel)})
         log.info("shipped -> %s (%d queries): first stage %.4f, student %.4f%s", transfer[-1]["collection"], len(t_items),
                  transfer[-1]["first_stage"]["nDCG@10"], transfer[-1]["student"]["nDCG@10"], _guard_note(transfer[-1]))
-    write_model_card(target, {
-        "base_model": f"{cfg.ranker.model.preset} (frozen, cut after decoder layer {cfg.ranker.state_layer})",
-        "pooling": cfg.ranker.pooling,
-        "teacher": "none: trained on graded relevance labels (TREC qrels), not distilled",
-        "training_data": {"collections": [collection_name(p) for p in cfg.ship_on], "top_n": cfg.top_n,
-                          "train_queries": record["train_queries"], "val_queries": record["val_queries"]},
-        "vocabulary": "the base model's", "positions": cfg.ranker.head.positions, "window": cfg.top_n,
-        "prompt": {"template": cfg.ranker.prompt.template, "max_doc_tokens": cfg.ranker.prompt.max_doc_tokens,
-                   "context_length": cfg.ranker.model.context_length},
-        "adapt": "frozen", "head": f"{cfg.ranker.head.kind} with the first-stage prior ({cfg.ranker.head.prior})",
-        "fit": ({"method": "ridge probe (closed form)", "l2": record["ridge_lambda"], "prior_scale": record["prior_scale"]}
-                if cfg.fit == "ridge" else {"method": "sgd", "loss": cfg.loss.terms, "steps": record["best_step"]}),
-        "cv_nDCG@10": record["val_nDCG@10"], "cv_first_stage_nDCG@10": record["val_nDCG@10_at_start"],
-        "transfer": {t["collection"]: transfer_figures(t) for t in transfer},
-        "input": "candidates in first-stage order, best first: the prior reads their ranks",
-        **({"guard": {"what": "the head's residual scaled by a per-query trust from the distance of its passages' states to "
-                              "the training passages' (hllm.model.heads.DomainGuard): 0 keeps the first-stage order, as does a "
-                              "prompt that shows each passage fewer tokens than guard_min_doc_budget (a long query)",
-                      **record["guard"],
-                      "transfer_fallback_share": {t["collection"]: t["trust"]["fallback_share"] for t in transfer}}}
-           if "guard" in record else {}),
-    })
-    write_provenance(cfg, target, record, transfer)
+    write_model_card(target, ModelCard(
+        base_model=f"{cfg.ranker.model.preset} (frozen, cut after decoder layer {cfg.ranker.state_layer})",
+        pooling=cfg.ranker.pooling,
+        teacher="none: trained on graded relevance labels (TREC qrels), not distilled",
+        training_data={"collections": [collection_name(p) for p in cfg.ship_on], "top_n": cfg.top_n,
+                       "train_queries": record["train_queries"], "val_queries": record["val_queries"]},
+        vocabulary="the base model's", positions=cfg.ranker.head.positions, window=cfg.top_n,
+        prompt=PromptCard(cfg.ranker.prompt.template, cfg.ranker.prompt.max_doc_tokens, cfg.ranker.model.context_length),
+        adapt="frozen", head=f"{cfg.ranker.head.kind} with the first-stage prior ({cfg.ranker.head.prior})",
+        input="candidates in first-stage order, best first: the prior reads their ranks",
+        figures={
+            "fit": ({"method": "ridge probe (closed form)", "l2": record["ridge_lambda"], "prior_scale": record["prior_scale"]}
+                    if cfg.fit == "ridge" else {"method": "sgd", "loss": cfg.loss.terms, "steps": record["best_step"]}),
+            "cv_nDCG@10": record["val_nDCG@10"], "cv_first_stage_nDCG@10": record["val_nDCG@10_at_start"],
+            "transfer": {t["collection"]: transfer_figures(t) for t in transfer},
+            **({"guard": {"what": "the head's residual scaled by a per-query trust from the distance of its passages' states "
+                                  "to the training passages' (hllm.model.heads.DomainGuard): 0 keeps the first-stage order, as "
+                                  "does a prompt that shows each passage fewer tokens than guard_min_doc_budget (a long query)",
+                          **record["guard"],
+                          "transfer_fallback_share": {t["collection"]: t["trust"]["fallback_share"] for t in transfer}}}
+               if "guard" in record else {})}))
+    write_provenance(target, cfg.ranker.model, "python -m hllm.recipes.realtext --config <the recipe below>", to_dict(cfg),
+                     fit={k: v for k, v in record.items() if k != "cv_grid"},
+                     transfer=[{"collection": t["collection"], **transfer_figures(t)} for t in transfer])
     return record, transfer
 
 
@@ -334,13 +335,6 @@ def in_sample_thresholds(ranker: SinglePassRanker, items: list[StateSlate], coll
     """The cascade's thresholds of a student fitted on `items`: its confidence on those very queries. In sample it
     is surer than on new queries, so a share asked of it escalates more of new traffic than that share."""
     return CascadeThresholds.fit(state_confidence(ranker, items), f"{' + '.join(collections)}: the queries it was fitted on (in sample)")
-
-
-def write_provenance(cfg: RealTextConfig, target: Path, record: dict[str, Any], transfer: list[dict[str, Any]]) -> None:
-    """What made the shipped student and what it was measured at (`hllm.model.ranker.write_provenance`)."""
-    ranker_provenance(target, cfg.ranker.model, "python -m hllm.recipes.realtext --config <the recipe below>", to_dict(cfg),
-                      fit={k: v for k, v in record.items() if k != "cv_grid"},
-                      transfer=[{"collection": t["collection"], **transfer_figures(t)} for t in transfer])
 
 
 def transfer_figures(t: dict[str, Any]) -> dict[str, Any]:

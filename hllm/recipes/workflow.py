@@ -2,7 +2,7 @@
 
     python -m hllm.recipes.workflow [--config configs/default.yaml] [key=value ...]
 
-A recipe: it only calls the stages (`hllm.recipes.stages`) in order, in this process; nothing imports it.
+A recipe: it only calls the stages (`hllm.job.stages`) in order, in this process; nothing imports it.
 The Ray pipeline (`pipelines/full.py`) calls the same stages with Ray Data generation and Ray
 Train + DeepSpeed fitting passed in. Each stage reuses its output when its inputs are unchanged.
 """
@@ -21,8 +21,8 @@ import torch
 from hllm.config import load_config, to_dict
 from hllm.data.splits import SPLITS, load_splits
 from hllm.model.backbones import resolve_device
-from hllm.recipes.job import JobConfig, add_config_args, console_logging
-from hllm.recipes.stages import (EvalReport, bootstrap_teacher_stage, evaluate_stage, fit_in_process, load_teacher, rank_in_process,
+from hllm.job.config import JobConfig, add_config_args, console_logging
+from hllm.job.stages import (EvalReport, bootstrap_teacher_stage, evaluate_stage, fit_in_process, load_teacher, rank_in_process,
                                  summary_lines, teacher_rankings_stage, train_student_stage)
 
 log = logging.getLogger("hllm")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hllm.data.splits import query_bucket
+from hllm.data.splits import unit_hash
 from hllm.eval.evaluation import quality
 from hllm.model.confidence import Confidence, confidence
 from hllm.model.decoding import DECODERS
@@ -211,7 +211,7 @@ def query_folds(n: int, ids: Sequence[str], k: int, salt: str = "") -> list[tupl
     """k (train, held-out) splits of `n` items by a hash of their query id (`ids`, prefixed with `salt`:
     folds nested in folds take another salt, or the inner ones would follow the outer), as index lists;
     empty folds left out. The same split on every machine."""
-    fold_of = [min(int(query_bucket(salt + q) * k), k - 1) for q in ids]
+    fold_of = [min(int(unit_hash(salt + q) * k), k - 1) for q in ids]
     folds = sorted(set(fold_of))
     if len(folds) < 2:
         raise ValueError(f"cross-validation needs queries in at least 2 of its {k} folds; {n} queries fill {len(folds)}")

@@ -32,11 +32,12 @@ from hllm.data.progress import Progress
 from hllm.eval.metrics import input_order_values
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_report, calibration_sums, fit_calibrator
 from hllm.model.confidence import CascadeThresholds
-from hllm.recipes.job import JobConfig, StudentStageConfig, student_ranker_config
+from hllm.job.config import JobConfig, StudentStageConfig, student_ranker_config
 from hllm.model.backbones import (EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelConfig, embedded_provenance, file_sha256, load_backbone,
                                   save_backbone, weights_id)
 from hllm.model.prompts import PromptBuilder, PromptConfig
-from hllm.model.ranker import CONFIG_FILE, RankerConfig, SinglePassRanker, write_model_card
+from hllm.model.ranker import RankerConfig, SinglePassRanker
+from hllm.model.card import CONFIG_FILE, ModelCard, PromptCard, write_model_card
 from hllm.records import ParseCounts, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
 from hllm.teacher.endpoint import EndpointTeacher, FailureBudget, endpoint_figures, endpoint_line
@@ -388,7 +389,7 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
     else:
         check_teacher(train, cfg.student, cfg.teacher.bootstrap)
         summary = fit(rcfg, train, val, out)
-        write_model_card(out, model_card(cfg, rcfg, train, summary))
+        write_model_card(out, job_model_card(cfg, rcfg, train, summary))
         mark_done(out, key, **summary)
     if (out / CONFIG_FILE).is_file() and Calibrator.load(out) is None:
         try:
@@ -402,8 +403,8 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
 
 def cascade_thresholds(student_dir: Path, held_out: Sequence[RerankRequest]) -> CascadeThresholds:
     """The quantiles of the student's confidence on held-out training-side slates (the val split), saved with it: a
-    cascade asks for "about 25%" of traffic without refitting (hllm.recipes.cascade)."""
-    from hllm.recipes.cascade import fit_thresholds
+    cascade asks for "about 25%" of traffic without refitting (hllm.serving.cascade)."""
+    from hllm.serving.cascade import fit_thresholds
 
     table = fit_thresholds(Reranker.load(student_dir, merge_lora=True), held_out, "the job's val split")
     table.save(student_dir)
@@ -421,7 +422,7 @@ def calibrate_student(student_dir: Path, held_out: Sequence[RerankRequest], rel:
     return calibrator
 
 
-def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dict[str, Any]) -> dict[str, Any]:
+def job_model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dict[str, Any]) -> ModelCard:
     """What a served student knows: its base model, what it was trained on and how, its limits."""
     m, t = rcfg.model, cfg.teacher
     teacher = f"{t.model.preset}{' ' + t.model.path if t.model.path else ''}" + \
@@ -431,20 +432,18 @@ def model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dic
     if t.rankings is not None:
         teacher = f"rankings read from {Path(t.rankings).name} ({t.rankings_format}, sha256 {file_sha256(Path(t.rankings))[:16]})"
     data = cfg.data
-    return {
-        "base_model": (f"{t.model.preset} (the teacher's weights)" if cfg.student.init_from_teacher
-                       else f"{m.preset}{' ' + m.path if m.path else ''}"),
-        "teacher": teacher,
-        "training_data": {"source": data.source, "path": data.path, "top_n": data.top_n,
-                          "train_slates": train.stats["slates"]},
-        "vocabulary": ("synthetic word-level (the embedded catalogue's words only)" if t.model.preset in ("tiny", "embedded")
-                       else "the base model's"),
-        "positions": rcfg.head.positions,
-        "prompt": {"template": rcfg.prompt.template, "max_doc_tokens": rcfg.prompt.max_doc_tokens,
-                   "context_length": m.context_length},
-        "adapt": rcfg.adapt.mode, "head": rcfg.head.kind, "loss": cfg.student.loss.terms,
-        "steps": summary.get("steps"), "val_loss": summary.get("val_loss"),
-    }
+    return ModelCard(
+        base_model=(f"{t.model.preset} (the teacher's weights)" if cfg.student.init_from_teacher
+                    else f"{m.preset}{' ' + m.path if m.path else ''}"),
+        teacher=teacher,
+        training_data={"source": data.source, "path": data.path, "top_n": data.top_n, "train_slates": train.stats["slates"]},
+        vocabulary=("synthetic word-level (the embedded catalogue's words only)" if t.model.preset in ("tiny", "embedded")
+                    else "the base model's"),
+        positions=rcfg.head.positions,
+        prompt=PromptCard(rcfg.prompt.template, rcfg.prompt.max_doc_tokens, m.context_length),
+        adapt=rcfg.adapt.mode, head=rcfg.head.kind,
+        figures={"loss": cfg.student.loss.terms, "steps": summary.get("steps"), "val_loss": summary.get("val_loss")},
+    )
 
 
 # ---- evaluation ----------------------------------------------------------------------------------

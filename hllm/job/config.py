@@ -84,7 +84,7 @@ class StudentStageConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=300, batch_size=16, lr=1e-3))
     loss: LossConfig = field(default_factory=LossConfig)
-    # gates before distillation, on the teacher's train rankings (`hllm.recipes.stages.check_teacher`)
+    # gates before distillation, on the teacher's train rankings (`hllm.job.stages.check_teacher`)
     min_teacher_validity: float = 0.0  # fail if fewer teacher answers parsed cleanly
     max_teacher_same_as_input: float = 0.5  # fail if more answers repeat the first-stage order
     max_teacher_tau_to_input: float = 0.9  # fail if the mean Kendall tau to the first-stage order is higher

@@ -32,8 +32,8 @@ from hllm.config import ConfigError, from_dict, set_dotted, to_dict
 from hllm.eval.evaluation import evaluate_student, quality
 from hllm.eval.metrics import agreement, ir_metrics_per_query, validity_rate
 from hllm.model.backbones import ModelConfig
-from hllm.recipes.job import student_ranker_config
-from hllm.recipes.stages import train_student_model
+from hllm.job.config import student_ranker_config
+from hllm.job.stages import train_student_model
 from hllm.records import Candidate, Query, RankedSlate, RerankRequest
 from hllm.reranker import Reranker
 

@@ -131,8 +131,8 @@ def load_job_teacher(spec: RerankSpec):
     """The AR teacher of a job's output folder, generating with the spec's window settings."""
     from hllm.config import from_dict
     from hllm.model.backbones import resolve_device
-    from hllm.recipes.job import JobConfig
-    from hllm.recipes.stages import load_teacher, teacher_model
+    from hllm.job.config import JobConfig
+    from hllm.job.stages import load_teacher, teacher_model
 
     folder = Path(spec.teacher)
     saved = folder / "config.json"

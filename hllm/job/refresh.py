@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from hllm.data.traffic import dedupe, keep_share, teacher_label, to_slate
+from hllm.data.splits import unit_hash
+from hllm.data.traffic import dedupe, teacher_label, to_slate
 from hllm.eval.metrics import agreement, ir_metrics
 from hllm.records import ParseCounts, RankedSlate, RerankRequest, TeacherRanking
 from hllm.uris import registry_alias
@@ -93,13 +94,13 @@ def select_slates(rows: list[dict[str, Any]], counts: dict[str, int], cfg: Refre
     at most `max_slates` (a hash of the request decides which: no order effects), split into
     fine-tuning and held-out traffic by another hash of the request."""
     unique, duplicates = dedupe(rows)
-    unique.sort(key=lambda r: hashlib.sha256(f"pick:{r['key']}".encode()).hexdigest())
+    unique.sort(key=lambda r: (unit_hash(f"pick:{r['key']}"), r["key"]))
     chosen = unique[: cfg.max_slates]
     counts = {**counts, "duplicates": duplicates, "over_max_slates": len(unique) - len(chosen), "slates": len(chosen)}
     if len(chosen) < cfg.min_slates:
         raise NothingToRefresh(f"the traffic log holds {len(chosen)} usable distinct requests (< refresh.min_slates "
                                f"{cfg.min_slates}); counts: {counts}. No new version")
-    test = [r for r in chosen if keep_share(hashlib.sha256(f"split:{r['key']}".encode()).hexdigest(), cfg.traffic_test_fraction)]
+    test = [r for r in chosen if unit_hash(f"split:{r['key']}") < cfg.traffic_test_fraction]
     held = {r["key"] for r in test}
     train = [r for r in chosen if r["key"] not in held]
     if not train or not test:

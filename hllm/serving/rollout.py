@@ -7,7 +7,7 @@ injectable clock, tested without Ray:
   the app serves, a folder it was told about, nothing: the default) -> a `Route` naming one immutable model (an
   alias pinned to its version, re-pinned every `pin_ttl_s`). An unknown name raises `UnknownModel` with the names the
   app knows.
-- `bucket`: a stable hash of a key in [0, 1): who is shadowed, who is in the canary (sticky by tenant or query).
+- who is shadowed, who is in the canary (sticky by tenant or query): `hllm.data.splits.unit_hash` of the key, salted.
 - `pair_agreement`: how far two rankings of the same request agree (Kendall tau, top-10 overlap).
 - `Rollout`: the state machine of one candidate: shadow (ranked beside the champion, never answering) -> canary
   (answering a growing, sticky share) -> promoted, or rolled back the moment a guard breaks (error rate, p99 latency
@@ -18,7 +18,6 @@ injectable clock, tested without Ray:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import re
 import time
@@ -114,13 +113,6 @@ class ModelCatalog:
     def forget(self, uri: str) -> None:
         """Drops a cached pin (an alias this app just moved): the next request asks the registry."""
         self._pins.pop(uri, None)
-
-
-def bucket(key: str, salt: str = "") -> float:
-    """A stable hash of `key` (salted) in [0, 1): `bucket(k) < share` picks about `share` of keys, the same ones
-    every time and on every replica (so a tenant stays in the canary as its share grows)."""
-    digest = hashlib.sha256(f"{salt}\0{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def pair_agreement(champion: Sequence[int], candidate: Sequence[int], k: int = 10) -> tuple[float, float]:

@@ -229,7 +229,7 @@ class OnlineCascade:
             return self.cfg.threshold
         if thresholds is None:
             raise ValueError(f"cascade.share {self.cfg.share}: this model has no {THRESHOLDS_FILE} (thresholds fitted on "
-                             "its training queries); give cascade.threshold, or fit them (hllm.recipes.cascade.fit_thresholds)")
+                             "its training queries); give cascade.threshold, or fit them (hllm.serving.cascade.fit_thresholds)")
         return thresholds.threshold(self.cfg.signal, self.cfg.share)
 
     def wants(self, confidence: dict[str, float] | Confidence, threshold: float) -> bool:
