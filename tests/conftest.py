@@ -26,9 +26,14 @@ TINY = ModelConfig(hidden_size=32, layers=2, heads=2, intermediate_size=64, cont
 
 @pytest.fixture(autouse=True)
 def _seed():
+    """Seeds reset before each test; torch's thread count put back after it (recipes and replicas run in-process
+    set it for themselves: a test must not leave the next one another float summation order)."""
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +98,17 @@ def copy_job(job_dir: Path, to: Path) -> Path:
     import shutil
 
     shutil.copytree(job_dir, to, ignore=shutil.ignore_patterns("mlartifacts"), dirs_exist_ok=True)
+    return to
+
+
+def seed_teacher_rankings(job_dir: Path, to: Path) -> Path:
+    """The slates and the teacher's rankings of a finished job, copied into `to` (nothing else: no checkpoints, no
+    MLflow): a job of the same data, prompt and teacher in `to` reuses them (the stages' keys name no cluster or
+    student setting) instead of generating them again."""
+    import shutil
+
+    for folder in ("slates", "rankings"):
+        shutil.copytree(job_dir / folder, to / folder, dirs_exist_ok=True)
     return to
 
 

@@ -7,10 +7,11 @@ import mlflow
 import pytest
 
 from hllm.config import load_config
-from hllm.recipes.ablations import AblationConfig
+from hllm.job.ablations import AblationConfig
 from pipelines import ablations
 from pipelines.common import PipelineConfig
 
+from conftest import seed_teacher_rankings
 from test_pipeline_distill import JOB
 
 pytestmark = pytest.mark.slow
@@ -26,8 +27,10 @@ GRID = AblationConfig(
     seeds=[0, 1], latency_requests=2, latency_sizes=[4, 8], latency_size_requests=3, cpus_per_cell=1)
 
 
-def test_grid_runs_reports_and_resumes(ray_local, tmp_path):
-    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={tmp_path}", "student.train.steps=3"])
+def test_grid_runs_reports_and_resumes(tiny_job, tmp_path):
+    # the session's slates and teacher rankings (the same data and teacher): the grid's own work is what is tested
+    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={seed_teacher_rankings(tiny_job[3], tmp_path)}",
+                                                   "student.train.steps=3"])
     grid = AblationConfig(**{**GRID.__dict__, "reports_dir": str(tmp_path / "reports")})
     out = ablations.run(cfg, grid)
 

@@ -32,7 +32,7 @@ from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noq
 from hllm.train.loop import (LossConfig, StudentExample, TrainConfig, batches, gold_permutation,  # noqa: E402
                              student_batch, student_loss, train_loop)
 from pipelines.common import PipelineConfig  # noqa: E402
-from pipelines.distill import EngineOptimizer, make_engine  # noqa: E402
+from pipelines.distill import EngineOptimizer, make_engine, torch_extensions_dir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())  # DeepSpeed's CPU op as setup.sh built it
     deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
     cfg = load_config(PipelineConfig, None, ["distill.zero_stage=2", f"student.train.steps={args.steps}",
                                              "student.train.batch_size=4", "student.train.warmup_steps=1"])
