@@ -43,18 +43,7 @@ from hllm.model.windows import WINDOWINGS, rank_in_windows
 from hllm.records import RerankRequest
 from hllm.uris import resolve_model_uri
 
-__all__ = ["Assessed", "PromptTooLong", "RankedDocument", "Reranker", "Windowed", "vocabulary_warning"]
-
-
-UNKNOWN_TOKEN_WARNING = 0.1  # warn when more of the shown tokens than this are outside the model's vocabulary
-
-
-def vocabulary_warning(share: float, vocabulary: str | None, threshold: float = UNKNOWN_TOKEN_WARNING) -> str | None:
-    """The warning for text the model cannot read (Serve's `meta.warnings`, `hllm rerank`'s stderr), or None."""
-    if share <= threshold:
-        return None
-    return (f"{share:.0%} of the query's and documents' tokens are unknown to this model's vocabulary "
-            f"({vocabulary or 'see its model card'}): its ranking of them means little")
+__all__ = ["Assessed", "PromptTooLong", "RankedDocument", "Reranker", "Windowed"]
 
 
 @dataclass(frozen=True)

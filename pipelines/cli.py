@@ -163,7 +163,7 @@ def _cascade_teacher(args: argparse.Namespace, final: Path):
 def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
     """Once per run, as Serve does per request: the share of the shown tokens the model cannot read."""
     from hllm.model.card import read_model_card
-    from hllm.reranker import vocabulary_warning
+    from hllm.model.prompts import vocabulary_warning
     from hllm.uris import resolve_model_uri
 
     if spec.model is None or not stats.get("shown_tokens"):

@@ -23,10 +23,9 @@ from ray import serve
 
 from hllm.data.traffic import TrafficLogConfig
 from hllm.model.confidence import Confidence
-from hllm.model.prompts import EncodedPrompt
+from hllm.model.prompts import UNKNOWN_TOKEN_WARNING, EncodedPrompt, vocabulary_warning
 from hllm.serving.cascade import CascadeConfig, Escalation, OnlineCascade
 from hllm.serving.rollout import RolloutConfig
-from hllm.reranker import UNKNOWN_TOKEN_WARNING, vocabulary_warning
 from hllm.uris import registry_alias
 from serve.schemas import (ErrorBody, Meta, ModelCard, RerankBody, RerankResponse, RerankResult, ResultDocument,
                            Usage, ValidationErrorBody)

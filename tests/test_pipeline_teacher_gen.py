@@ -59,7 +59,7 @@ def test_generation_fans_out_and_writes_one_row_per_slate(ray_local, tmp_path):
 
 
 def test_killed_run_resumes_with_exactly_one_row_per_slate(tmp_path):
-    overrides = GEN_JOB + [f"output_dir={tmp_path}", "data.synthetic.train_slates=64", "cluster.teacher_actors=1",
+    overrides = GEN_JOB + [f"output_dir={tmp_path}", "data.synthetic.train_slates=40", "cluster.teacher_actors=1",
                            "cluster.teacher_batch_slates=4", "teacher.generation.batch_size=4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "pipelines/teacher_gen.py", *overrides], cwd=ROOT, env=env,
@@ -77,12 +77,12 @@ def test_killed_run_resumes_with_exactly_one_row_per_slate(tmp_path):
         time.sleep(0.5)
         if len(shards()) != shards_before:
             shards_before, settle = len(shards()), time.time() + 5
-    assert 3 <= shards_before < 16
+    assert 3 <= shards_before < 10
     result = subprocess.run([sys.executable, "pipelines/teacher_gen.py", *overrides], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = store.read_rankings(shards()[0].parent)
-    assert len(rows) == 64 and len({r.slate.slate_id for r in rows}) == 64
+    assert len(rows) == 40 and len({r.slate.slate_id for r in rows}) == 40
     assert f"resumed {4 * shards_before} done" in result.stdout  # the finished shards were not redone
 
 

@@ -73,14 +73,20 @@ def test_the_named_real_text_students_load_by_name_and_match_their_provenance(na
     assert prompt.unknown_tokens == 0  # its vocabulary is the base model's
 
 
+@pytest.fixture(scope="module")
+def trec_student():
+    """The shipped smollm2-trec-dl, loaded once for the tests that only read it."""
+    return Reranker.load("smollm2-trec-dl")
+
+
 @pytest.mark.data
-def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data):
+def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data, trec_student, monkeypatch):
     from hllm.data.readers import read_slates
     from hllm.eval.evaluation import quality
 
     (slate,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=100)[:1]
-    reranker = Reranker.load("smollm2-trec-dl")
-    reranker.window = reranker.default_window  # as `hllm rerank` sets it
+    reranker = trec_student
+    monkeypatch.setattr(reranker, "window", reranker.default_window)  # as `hllm rerank` sets it (put back after)
     ranked = reranker.windowed_orders([slate.query.text], [[c.text for c in slate.candidates]])
     assert ranked.windows == [1] and is_permutation(ranked.orders[0], 100)
     assert 0 <= quality([slate], ranked.orders, 2)["nDCG@10"] <= 1
@@ -88,11 +94,12 @@ def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data):
 
 @pytest.mark.data
 @pytest.mark.slow
-def test_the_named_student_trusts_a_trec_query_and_keeps_the_first_stage_order_on_a_long_arguana_query(shared_data):
+def test_the_named_student_trusts_a_trec_query_and_keeps_the_first_stage_order_on_a_long_arguana_query(shared_data,
+                                                                                                           trec_student):
     from hllm.data.readers import read_slates
     from hllm.recipes.realtext import split_by_hash
 
-    reranker = Reranker.load("smollm2-trec-dl")
+    reranker = trec_student
     (trec,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=100)[:1]
     argument = split_by_hash(read_slates("beir", shared_data / "arguana", top_n=100), 0.2)[1][0]  # the transfer split's first
     prompts = [reranker.encode_slate(trec), reranker.encode_slate(argument)]

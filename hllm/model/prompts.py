@@ -92,6 +92,17 @@ class EncodedPrompt:
     doc_budget: int = 0  # the tokens each document could show (the config's cap, or less where the context is short)
 
 
+UNKNOWN_TOKEN_WARNING = 0.1  # warn when more of the shown tokens than this are outside the model's vocabulary
+
+
+def vocabulary_warning(share: float, vocabulary: str | None, threshold: float = UNKNOWN_TOKEN_WARNING) -> str | None:
+    """The warning for text the model cannot read (Serve's `meta.warnings`, `hllm rerank`'s stderr), or None."""
+    if share <= threshold:
+        return None
+    return (f"{share:.0%} of the query's and documents' tokens are unknown to this model's vocabulary "
+            f"({vocabulary or 'see its model card'}): its ranking of them means little")
+
+
 class PromptTooLong(ValueError):
     """The slate cannot fit the context even at one token per candidate."""
 
