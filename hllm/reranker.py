@@ -37,8 +37,8 @@ from hllm.model.confidence import CascadeThresholds, Confidence, confidence
 from hllm.model.decoding import DECODERS, Decoded
 from hllm.model.heads import within_support
 from hllm.model.prompts import EncodedPrompt, PromptTooLong, collate
-from hllm.model.ranker import SinglePassRanker
 from hllm.model.card import ModelCard, read_model_card
+from hllm.model.ranker import SinglePassRanker
 from hllm.model.windows import WINDOWINGS, rank_in_windows
 from hllm.records import RerankRequest
 from hllm.uris import resolve_model_uri
