@@ -169,11 +169,12 @@ def _beir_paths(cfg: DataConfig) -> dict[str, str]:
             "corpus": f"{root}/corpus.jsonl", "queries": f"{root}/queries.jsonl"}
 
 
-def partitions_for(input_bytes: int, partition_mb: float, cpus: int) -> int:
-    """Hash partitions (and read blocks) for a collection of `input_bytes`: one per `partition_mb`, at least 1, at
-    most 2 per CPU. Each partition of a shuffle is an aggregator actor (a worker process of its own): a collection of
+def partitions_for(input_bytes: int, partition_mb: float, cpus: int | None) -> int:
+    """Hash partitions (or, `cpus` None, read blocks) for a collection of `input_bytes`: one per `partition_mb`, at
+    least 1, at most 2 per CPU where `cpus` is given (reads scale with the data, not the cluster). Each partition of a shuffle is an aggregator actor (a worker process of its own): a collection of
     a few MB is one partition, not one per CPU."""
-    return max(1, min(2 * max(cpus, 1), math.ceil(input_bytes / (partition_mb * 2**20))))
+    by_size = max(1, math.ceil(input_bytes / (partition_mb * 2**20)))
+    return by_size if cpus is None else min(2 * max(cpus, 1), by_size)
 
 
 def _input_bytes(paths: Any) -> int:
@@ -207,9 +208,11 @@ def slates_dataset(cfg: PipelineConfig, ledger: Any) -> Any:
         raise ValueError(f"the Ray data stage reads data.source=beir or synthetic, not {cfg.data.source!r} "
                          "(a rank_llm / hLLM JSONL is one slate a line: pipelines/rerank.py streams those)")
     paths = _beir_paths(cfg.data)
-    partitions = cfg.cluster.data_partitions or partitions_for(
-        _input_bytes(paths.values()), cfg.cluster.data_partition_mb, int(ray.cluster_resources().get("CPU", 1)))
-    read = {source: ray.data.read_text(path, override_num_blocks=partitions).map_batches(
+    size = _input_bytes(paths.values())
+    partitions = cfg.cluster.data_partitions or partitions_for(size, cfg.cluster.data_partition_mb,
+                                                                int(ray.cluster_resources().get("CPU", 1)))
+    blocks = partitions_for(size, cfg.cluster.data_partition_mb, cpus=None)  # a block per partition_mb read, uncapped
+    read = {source: ray.data.read_text(path, override_num_blocks=blocks).map_batches(
                 _parse_block, fn_kwargs={"source": source, "where": path, "ledger": ledger}, batch_format="pyarrow")
             for source, path in paths.items()}
     # a hash partition holds every row of its keys: the library groups within it (one call per block, not per key)

@@ -92,23 +92,17 @@ def tiny_job(ray_local, tmp_path_factory):
     return cfg, report, run_id, out
 
 
-def copy_job(job_dir: Path, to: Path) -> Path:
+SEED = ("slates", "rankings")  # what a job of the same data and teacher reuses from another (copy_job)
+
+
+def copy_job(job_dir: Path, to: Path, only: tuple[str, ...] | None = None) -> Path:
     """A finished job's output folder copied (its MLflow db with it: a registry of its own; the artifacts stay where
-    the db says, in the original's mlartifacts)."""
+    the db says, in the original's mlartifacts), or only its folders `only`: `("slates", "rankings")` seeds a job of
+    the same data, prompt and teacher, which reuses them (the stages' keys name no cluster or student setting)."""
     import shutil
 
-    shutil.copytree(job_dir, to, ignore=shutil.ignore_patterns("mlartifacts"), dirs_exist_ok=True)
-    return to
-
-
-def seed_teacher_rankings(job_dir: Path, to: Path) -> Path:
-    """The slates and the teacher's rankings of a finished job, copied into `to` (nothing else: no checkpoints, no
-    MLflow): a job of the same data, prompt and teacher in `to` reuses them (the stages' keys name no cluster or
-    student setting) instead of generating them again."""
-    import shutil
-
-    for folder in ("slates", "rankings"):
-        shutil.copytree(job_dir / folder, to / folder, dirs_exist_ok=True)
+    for folder in only or ("",):
+        shutil.copytree(job_dir / folder, to / folder, ignore=shutil.ignore_patterns("mlartifacts"), dirs_exist_ok=True)
     return to
 
 

@@ -11,7 +11,7 @@ from hllm.job.ablations import AblationConfig
 from pipelines import ablations
 from pipelines.common import PipelineConfig
 
-from conftest import seed_teacher_rankings
+from conftest import SEED, copy_job
 from test_pipeline_distill import JOB
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ GRID = AblationConfig(
 
 def test_grid_runs_reports_and_resumes(tiny_job, tmp_path):
     # the session's slates and teacher rankings (the same data and teacher): the grid's own work is what is tested
-    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={seed_teacher_rankings(tiny_job[3], tmp_path)}",
+    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={copy_job(tiny_job[3], tmp_path, only=SEED)}",
                                                    "student.train.steps=3"])
     grid = AblationConfig(**{**GRID.__dict__, "reports_dir": str(tmp_path / "reports")})
     out = ablations.run(cfg, grid)

@@ -18,7 +18,7 @@ from hllm.job.stages import evaluate_stage, load_teacher
 from pipelines import distill, teacher_gen
 from pipelines.common import PipelineConfig
 
-from conftest import seed_teacher_rankings
+from conftest import SEED, copy_job
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def _kill_one_worker_after_first_checkpoint(storage: Path, killed: list):
 
 
 def test_killed_worker_resumes_from_the_latest_checkpoint(tiny_job, tmp_path):
-    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={seed_teacher_rankings(tiny_job[3], tmp_path)}",
+    cfg = load_config(PipelineConfig, None, JOB + [f"output_dir={copy_job(tiny_job[3], tmp_path, only=SEED)}",
                                                       "student.train.steps=20", "distill.checkpoint_every=2"])
     teacher_model, rankings = teacher_gen.run(cfg, splits=("train", "val"))  # the session's, reused
     killed: list = []

@@ -102,6 +102,7 @@ def test_the_data_stage_partitions_by_input_size_not_by_cpus(tmp_path):
 
     assert partitions_for(0, 64, 4) == 1 and partitions_for(10 * 2**20, 64, 4) == 1
     assert partitions_for(65 * 2**20, 64, 4) == 2 and partitions_for(10 * 2**30, 64, 4) == 8
+    assert partitions_for(10 * 2**30, 64, None) == 160  # read blocks: by size alone
     (tmp_path / "parts").mkdir()
     for i in range(3):
         (tmp_path / "parts" / f"p{i}.jsonl").write_bytes(b"x" * 100)

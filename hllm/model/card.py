@@ -56,10 +56,6 @@ class ModelCard:
         return cls(prompt=PromptCard(**card["prompt"]), **{k: v for k, v in card.items() if k in names},
                    figures={k: v for k, v in card.items() if k not in names | {"prompt"}})
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """A card field or figure by its JSON name (`card.get("vocabulary")`), `default` where absent."""
-        return self.to_json().get(key, default)
-
 
 def write_model_card(directory: str | Path, card: ModelCard) -> None:
     Path(directory).mkdir(parents=True, exist_ok=True)
