@@ -53,7 +53,7 @@ def main() -> None:
     for windowing, stride in ARMS:
         ranker = Reranker(base.model, window=window, stride=stride, windowing=windowing)
         t0 = time.perf_counter()
-        ranked = ranker.windowed_orders(queries, docs)
+        ranked = ranker.windowed_orders(queries, docs, first_stage_order=True)
         ms = 1000 * (time.perf_counter() - t0) / len(slates)
         label = f"{windowing} (stride {stride})" if stride else windowing
         rows.append((label, f"{window}", sum(ranked.windows) / len(slates), quality(slates, ranked.orders, args.rel), ms))

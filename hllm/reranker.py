@@ -152,12 +152,17 @@ class Reranker:
         return self.model.cfg.window or self.positions
 
     # ---- the path, piece by piece ------------------------------------------------------------
-    def encode(self, query: str, documents: Sequence[str], max_doc_tokens: int | None = None) -> EncodedPrompt:
+    def encode(self, query: str, documents: Sequence[str], max_doc_tokens: int | None = None, *,
+               first_stage_order: bool = False) -> EncodedPrompt:
         """-> the prompt; raises `PromptTooLong` when the documents cannot fit the context.
-        `max_doc_tokens` caps each document below the model's own budget (cuts are counted)."""
-        return self.model.prompts.encode_texts(query, documents, with_answer=False, max_doc_tokens=max_doc_tokens)
+        `max_doc_tokens` caps each document below the model's own budget (cuts are counted).
+        `first_stage_order`: the documents come as a first-stage ranking, best first, and the model's prior may
+        read it; False (the default): they are a set, and nothing in the scores leans on their order."""
+        prompt = self.model.prompts.encode_texts(query, documents, with_answer=False, max_doc_tokens=max_doc_tokens)
+        return dataclasses.replace(prompt, first_stage_order=first_stage_order)
 
     def encode_slate(self, slate: RerankRequest) -> EncodedPrompt:
+        """A slate's prompt: its candidates are in first-stage order by definition (`RerankRequest`), declared."""
         return self.model.prompts.encode(slate, with_answer=False)
 
     def tensors(self, prompts: Sequence[EncodedPrompt]) -> dict[str, torch.Tensor]:
@@ -175,17 +180,21 @@ class Reranker:
         """`score_encoded`, each matrix with the model's domain-guard trust in that prompt (1: its own
         ranking; below 1 it leans toward the input order, 0: the input order), None for a model without a guard.
         A prompt that showed each passage fewer tokens than the guard's support gets trust 0: its matrix is
-        the head's prior alone (`hllm.model.heads.within_support`), whose assignment is the input order."""
+        the head's prior alone (`hllm.model.heads.within_support`), whose assignment is the input order.
+        A prompt whose order is not a declared first-stage ranking (`EncodedPrompt.first_stage_order`) is scored
+        without the prior, and its guard's trust is reported but falls back to no order (there is none)."""
         out = []
         cap = resolve_max_batch_tokens(self.max_batch_tokens, self.device)
         for part in token_batches([len(p.input_ids) for p in prompts], cap):
             chunk = [prompts[i] for i in part]
-            logits, trust = self.model.scores_and_trust(**self.tensors(chunk))
+            declared = torch.tensor([p.first_stage_order for p in chunk], device=self.device)  # (B,)
+            logits, trust = self.model.scores_and_trust(**self.tensors(chunk), declared=declared)
             logits = logits.float().cpu().numpy()  # (B, N, K)
             trust = None if trust is None else trust.float().cpu().tolist()  # (B,)
             for row, prompt in enumerate(chunk):
                 n = len(prompt.item_positions)
-                matrix, ok = within_support(self.model.head, logits[row, :n, : min(n, logits.shape[2])], prompt.doc_budget)
+                matrix, ok = within_support(self.model.head, logits[row, :n, : min(n, logits.shape[2])], prompt.doc_budget,
+                                            prompt.first_stage_order)
                 out.append((matrix, None if trust is None else trust[row] if ok else 0.0))
         return out
 
@@ -215,14 +224,16 @@ class Reranker:
         for a model saved without a calibration."""
         return None if self.calibrator is None else self.calibrator.probabilities(matrix, permutation)
 
-    def assess(self, matrix: np.ndarray, trust: float | None = None, decoder: str | None = None) -> Assessed:
+    def assess(self, matrix: np.ndarray, trust: float | None = None, decoder: str | None = None, *,
+               first_stage_order: bool) -> Assessed:
         """A query's score matrix -> its ranking: the last step every caller shares (`rank_assessed`, Serve's replicas):
-        decode -> calibrated relevance (where the model has a calibration) -> the confidence signals of this pass."""
+        decode -> calibrated relevance (where the model has a calibration) -> the confidence signals of this pass
+        (`agreement` only for a declared first-stage order)."""
         decoded = self.decode(matrix, decoder)
         rel = self.relevance(matrix, decoded.permutation)
         docs = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
                 for j in decoded.permutation]
-        return Assessed(docs, confidence(matrix, decoded.permutation, trust), trust)
+        return Assessed(docs, confidence(matrix, decoded.permutation, trust, first_stage_order=first_stage_order), trust)
 
     # ---- whole requests ----------------------------------------------------------------------
     def score_slates(self, slates: Sequence[RerankRequest], batch_size: int | None = None) -> list[np.ndarray]:
@@ -234,18 +245,23 @@ class Reranker:
         return matrices
 
     def rank(self, query: str, documents: Sequence[str], top_k: int | None = None,
-             decoder: str | None = None) -> list[RankedDocument]:
-        """Documents of one query, best first (the first `top_k` when given)."""
-        return self.rank_batch([query], [documents], top_k=top_k, decoder=decoder)[0]
+             decoder: str | None = None, *, first_stage_order: bool = False) -> list[RankedDocument]:
+        """Documents of one query, best first (the first `top_k` when given). `first_stage_order=True` declares that
+        the documents come as a first-stage ranking, best first, which the model's prior may then read; by default
+        they are a set (a rerank API's contract), ranked by their text alone."""
+        return self.rank_batch([query], [documents], top_k=top_k, decoder=decoder, first_stage_order=first_stage_order)[0]
 
     def rank_batch(self, queries: Sequence[str], documents: Sequence[Sequence[str]], top_k: int | None = None,
-                   batch_size: int | None = None, decoder: str | None = None) -> list[list[RankedDocument]]:
+                   batch_size: int | None = None, decoder: str | None = None, *,
+                   first_stage_order: bool = False) -> list[list[RankedDocument]]:
         """Many queries, each with its own documents; `batch_size` prompts per forward pass. Lists
         longer than `self.window` go through windows (see the module docstring)."""
-        return [a.documents for a in self.rank_assessed(queries, documents, top_k, batch_size, decoder)]
+        return [a.documents for a in self.rank_assessed(queries, documents, top_k, batch_size, decoder,
+                                                        first_stage_order=first_stage_order)]
 
     def rank_assessed(self, queries: Sequence[str], documents: Sequence[Sequence[str]], top_k: int | None = None,
-                      batch_size: int | None = None, decoder: str | None = None) -> list[Assessed]:
+                      batch_size: int | None = None, decoder: str | None = None, *,
+                      first_stage_order: bool = False) -> list[Assessed]:
         """`rank_batch`, each query with its confidence signals and the guard's trust (no extra forward pass)."""
         if len(queries) != len(documents):
             raise ValueError(f"{len(queries)} queries but {len(documents)} document lists")
@@ -255,11 +271,13 @@ class Reranker:
         out: dict[int, Assessed] = {}
         for start in range(0, len(short), size):
             chunk = short[start: start + size]
-            scored = self.score_with_trust([self.encode(queries[i], documents[i]) for i in chunk])
+            scored = self.score_with_trust([self.encode(queries[i], documents[i], first_stage_order=first_stage_order)
+                                            for i in chunk])
             for i, (matrix, trust) in zip(chunk, scored):
-                out[i] = self.assess(matrix, trust, decoder)
+                out[i] = self.assess(matrix, trust, decoder, first_stage_order=first_stage_order)
         if long:
-            ranked = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder)
+            ranked = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder,
+                                          first_stage_order=first_stage_order)
             for q, i in enumerate(long):
                 out[i] = Assessed([RankedDocument(j, s) for j, s in zip(ranked.orders[q], ranked.scores(q))],
                                   ranked.confidence[q], ranked.trust[q], ranked.windows[q])
@@ -267,8 +285,10 @@ class Reranker:
                 for i in range(len(queries))]
 
     def windowed_orders(self, queries: Sequence[str], documents: Sequence[Sequence[str]], batch_size: int | None = None,
-                        decoder: str | None = None, max_doc_tokens: int | None = None) -> "Windowed":
-        """Each query's order of all its documents, ranked window by window (see the module docstring)."""
+                        decoder: str | None = None, max_doc_tokens: int | None = None, *,
+                        first_stage_order: bool) -> "Windowed":
+        """Each query's order of all its documents, ranked window by window (see the module docstring). The windows
+        follow the input order (a declared one, or the order the set arrived in: only their scores ignore it)."""
         if self.window is None:
             raise ValueError("windowed ranking needs a window (Reranker(window=...))")
         size = batch_size or self.batch_size
@@ -276,7 +296,8 @@ class Reranker:
         last: list[tuple[np.ndarray, np.ndarray, float | None] | None] = [None] * len(queries)  # each query's latest (top) window
 
         def rank_windows(flat: list[tuple[int, list[int]]]) -> list[list[int]]:
-            prompts = [self.encode(queries[i], [documents[i][j] for j in idx], max_doc_tokens) for i, idx in flat]
+            prompts = [self.encode(queries[i], [documents[i][j] for j in idx], max_doc_tokens, first_stage_order=first_stage_order)
+                       for i, idx in flat]
             for (i, _), prompt in zip(flat, prompts):
                 tokens[i] += len(prompt.input_ids)
                 truncated[i] += prompt.doc_tokens_truncated
@@ -295,7 +316,7 @@ class Reranker:
         stride = self.stride or self.window // 2
         orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
         return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)], unknown, shown,
-                        [confidence(*window) for window in last], [window[2] for window in last])
+                        [confidence(*window, first_stage_order=first_stage_order) for window in last], [window[2] for window in last])
 
 
 @dataclass(frozen=True)

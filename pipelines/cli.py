@@ -94,7 +94,8 @@ def cmd_rerank(args: argparse.Namespace) -> int:
                       teacher_api_key_env=args.teacher_api_key_env if args.teacher_url else None, concurrency=args.concurrency, qps=args.qps,
                       max_failed_share=args.max_failed_share, window=args.window, stride=args.stride,
                       windowing=args.windowing, batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
-                      device=args.device, threads=args.threads, tag=args.tag)
+                      device=args.device, threads=args.threads, tag=args.tag, input_order=args.input_order,
+                      declare_order=False if args.undeclared else None)
     slates, qrels, settings = _load_slates(args)
     out = Path(args.out)
     final = out
@@ -136,11 +137,22 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     _warn_vocabulary(spec, stats, args.unknown_token_warning)
     if qrels is None:
         return 0
-    first_stage = {s.slate_id: [(c.docid, 0.0) for c in s.candidates] for s in slates}  # the input order
+    from hllm.data.order import InputOrder, reorder
+
+    order = InputOrder.parse(args.input_order)
+    first_stage = {s.slate_id: [(c.docid, 0.0) for c in s.candidates] for s in slates}  # the data's own order
     judged = read_qrels(qrels)
     rel, why = _threshold(args.rel, judged)
-    rows = {"first stage (input order)": evaluate(first_stage, judged, rel, None, "the input", str(qrels)),
-            ("teacher" if args.teacher or args.teacher_url else "reranked"): evaluate_run(path, qrels, rel)}
+    as_given = order.declared and spec.first_stage_order  # the default: the first stage's order, declared
+    rows = {"first stage" + (" (input order)" if order.declared else ""):
+            evaluate(first_stage, judged, rel, None, "the first stage", str(qrels))}
+    if not order.declared:  # what the candidates were handed over in, itself a ranking to compare with
+        handed = {s.slate_id: [(c.docid, 0.0) for c in reorder(s, order).candidates] for s in slates}
+        rows[f"input order ({order})"] = evaluate(handed, judged, rel, None, f"the {order} input", str(qrels))
+    label = "teacher" if args.teacher or args.teacher_url else "reranked"
+    if not as_given:
+        label += f" ({order} input, {'declared' if spec.first_stage_order else 'undeclared'})"
+    rows[label] = evaluate_run(path, qrels, rel)
     if rule is not None:
         rows[f"cascade ({args.cascade} by {rule.signal})"] = evaluate_run(final, qrels, rel)
     _report(rows, args.json, why)
@@ -366,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-n", type=int, default=100, help="first-stage candidates reranked per query")
     r.add_argument("--out", required=True, help="the TREC run file to write (shards beside it until done)")
     r.add_argument("--tag", default="hllm", help="the run tag (6th column)")
+    r.add_argument("--input-order", default="first-stage", metavar="first-stage|shuffled[:SEED]|reversed",
+                   help="hand each query's candidates over in this order: the first stage's (declared: the student's prior "
+                   "reads it), a fixed shuffle per query, or reversed (neither declared: the student ranks the set by its text)")
+    r.add_argument("--undeclared", action="store_true", help="hand the first-stage order over without declaring it (as an "
+                   "HTTP request without first_stage_order does): how the student ranks the same list read as a set")
     r.add_argument("--window", type=int, help="documents per window (default: the student head's K positions; teacher: 20)")
     r.add_argument("--stride", type=int, help="sliding: how far each window moves up (default: window // 2)")
     r.add_argument("--windowing", choices=("sliding", "blocks"), default="sliding",

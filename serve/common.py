@@ -6,6 +6,7 @@ documented error shapes (`ERRORS`, `error_response`, `framework_errors`), bearer
 (`model_listing`) and its traffic-log record (`traffic_record`)."""
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -227,9 +228,9 @@ def document_limits(app: FastAPI) -> None:
         documents["maxItems"] = limit
 
 
-def rounded(c: Confidence) -> dict[str, float]:
-    """meta.confidence: the signals to 4 places."""
-    return {k: round(v, 4) for k, v in c.as_dict().items()}
+def rounded(c: Confidence) -> dict[str, float | None]:
+    """meta.confidence: the signals to 4 places (None where undefined: agreement of an undeclared order)."""
+    return {k: None if v is None else round(v, 4) for k, v in c.as_dict().items()}
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -429,13 +430,14 @@ class Answerer:
         if self.args.window is not None and len(texts) > self.args.window:
             return await self._rerank_windows(body, texts, decoder, t0, served)
         try:
-            prompt = reranker.encode(body.query, texts, body.max_tokens_per_doc)
+            prompt = reranker.encode(body.query, texts, body.max_tokens_per_doc, first_stage_order=body.first_stage_order)
         except PromptTooLong as err:
             return Failure(413, str(err))
         t_tok = time.perf_counter()
         matrix, trust, batch_size, forward_ms = await self.forward(served, prompt)
         t_fwd = time.perf_counter()
-        assessed = reranker.assess(matrix, trust, decoder)  # the front door's last step: one path to a ranking
+        # the front door's last step: one path to a ranking
+        assessed = reranker.assess(matrix, trust, decoder, first_stage_order=body.first_stage_order)
         t_dec = time.perf_counter()
         calibrated = not body.raw_scores and reranker.calibrator is not None
         results = [RerankResult(index=d.index, relevance_score=d.relevance if calibrated else d.score, rank=r + 1,
@@ -451,17 +453,21 @@ class Answerer:
             results=results,
             meta=Meta(decoder=decoder, batch_size=batch_size, timings_ms=timings, calibrated=calibrated,
                       model_version=served.model_id, confidence=rounded(assessed.confidence),
-                      **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1), reranker, trust)),
+                      first_stage_order=body.first_stage_order,
+                      **self._vocabulary(prompt.unknown_tokens / max(prompt.content_tokens, 1), reranker, trust,
+                                         body.first_stage_order)),
         )
 
-    def _vocabulary(self, share: float, reranker, trust: float | None = None) -> dict:
+    def _vocabulary(self, share: float, reranker, trust: float | None, declared: bool) -> dict:
         """meta's unknown-token share, the domain guard's trust, and what they warn of."""
         vocabulary = reranker.card.vocabulary if reranker.card is not None else None
         warning = vocabulary_warning(share, vocabulary or "see /v1/models", self.args.unknown_token_warning)
         warnings = [warning] if warning else []
         if trust is not None and trust < 1:
             warnings.append(f"this request is unlike the model's training data (domain guard trust {trust:.2f}): "
-                            + ("the first-stage (input) order was kept" if trust == 0 else "the ranking leans toward the input order"))
+                            + ("its ranking may mean little (no first-stage order was declared to fall back to)" if not declared
+                               else "the first-stage (input) order was kept" if trust == 0
+                               else "the ranking leans toward the input order"))
         return {"unknown_token_share": round(share, 4), "warnings": warnings,
                 **({} if trust is None else {"trust": round(trust, 4)})}
 
@@ -470,8 +476,9 @@ class Answerer:
         from hllm import PromptTooLong
 
         try:
-            ranked = await asyncio.to_thread(served.reranker.windowed_orders, [body.query], [texts], None, decoder,
-                                             body.max_tokens_per_doc)
+            ranked = await asyncio.to_thread(functools.partial(served.reranker.windowed_orders, [body.query], [texts], None,
+                                                               decoder, body.max_tokens_per_doc,
+                                                               first_stage_order=body.first_stage_order))
         except PromptTooLong as err:
             return Failure(413, str(err))
         order, tokens = ranked.orders[0], ranked.prompt_tokens[0]
@@ -482,8 +489,9 @@ class Answerer:
             id=str(uuid.uuid4()), model=body.model or self.args.model_name, usage=Usage(prompt_tokens=tokens, total_tokens=tokens,
                                                                        truncated_documents=ranked.truncated_documents[0]),
             results=results, meta=Meta(decoder=decoder, batch_size=1, windows=ranked.windows[0], model_version=served.model_id,
-                                       confidence=rounded(ranked.confidence[0]),
-                                       **self._vocabulary(ranked.unknown_token_share[0], served.reranker, ranked.trust[0]),
+                                       confidence=rounded(ranked.confidence[0]), first_stage_order=body.first_stage_order,
+                                       **self._vocabulary(ranked.unknown_token_share[0], served.reranker, ranked.trust[0],
+                                                          body.first_stage_order),
                                        timings_ms={"total": 1000 * (time.perf_counter() - t0)}))
 
 

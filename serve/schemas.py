@@ -38,6 +38,10 @@ class RerankBody(BaseModel):
     decoder: Literal["hungarian", "sort", "expected_position", "greedy", "argmax_repair"] | None = None  # extension
     # TEI's name: relevance_score is the uncalibrated decoder score (strictly decreasing, not a probability)
     raw_scores: StrictBool = False
+    # extension: true declares that `documents` come as a first-stage ranking, best first (a retriever's order), which
+    # the model's first-stage prior may then read; false (the Cohere/Jina contract): `documents` is a set, ranked by
+    # its text alone, and nothing in the answer leans on the order it arrived in (confidence.agreement is null)
+    first_stage_order: StrictBool = False
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
@@ -91,12 +95,16 @@ class Meta(BaseModel):
     warnings: list[str] = []
     model_version: str | None = None  # which model answered: models:/NAME/VERSION, a run URI, or folder#hash
     # the model's domain-guard trust in this request (hllm.model.heads.DomainGuard): 1 its own ranking, below 1 it
-    # leans toward the first-stage (input) order, 0 the input order; absent for a model without a guard
+    # leans toward the first-stage (input) order, 0 the input order (with first_stage_order declared; otherwise there
+    # is no order to lean toward, and trust only says how unlike the training data the request is); absent for a
+    # model without a guard
     trust: float | None = None
     # how sure the single pass was, read off the same matrix (hllm.model.confidence, each higher = surer): the
     # assignment's margin over its best one-move alternative in the top 10, the top positions' sharpness, the
-    # share of the top 10 the first stage also has there, the guard's trust (1 without a guard)
-    confidence: dict[str, float] | None = None
+    # share of the top 10 the first stage also has there (null unless first_stage_order was declared), the guard's
+    # trust (1 without a guard)
+    confidence: dict[str, float | None] | None = None
+    first_stage_order: bool = False  # the request declared its documents a first-stage ranking (the prior read it)
     # the online cascade (deployments with args.cascade): who answered — student, teacher, or the student after the
     # teacher missed the deadline / failed / while its circuit breaker is open / with its slots busy
     # (student_after_teacher_timeout, student_after_teacher_error, student_breaker_open, student_teacher_busy) —

@@ -146,10 +146,13 @@ def test_a_prompt_that_shows_less_of_each_passage_than_training_did_keeps_the_in
     slate = small_splits["test"][0]
     query, docs = slate.query.text, [c.text for c in slate.candidates]
     ((full, trust_full), (cut, trust_cut)) = reranker.score_with_trust(
-        [reranker.encode(query, docs), reranker.encode(query, docs, max_doc_tokens=2)])
+        [reranker.encode(query, docs, first_stage_order=True), reranker.encode(query, docs, max_doc_tokens=2, first_stage_order=True)])
     assert trust_full == 1.0 and trust_cut == 0.0
     assert reranker.decode(full).permutation.tolist() != list(range(len(docs)))
     assert reranker.decode(cut).permutation.tolist() == list(range(len(docs)))  # the prior alone: the input order
+    # an undeclared order has no order to fall back to: the head's own ranking, the trust still says 0
+    ((free_cut, trust_free),) = reranker.score_with_trust([reranker.encode(query, docs, max_doc_tokens=2)])
+    assert trust_free == 0.0 and reranker.decode(free_cut).permutation.tolist() != list(range(len(docs)))
     # the recipe's orders over cached states follow the same rule
     item = slates_like([slate], scale)[0]
     assert guarded_orders(ranker, [item]) == state_orders(ranker, [item])  # its own prompt: within the support

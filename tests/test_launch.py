@@ -140,6 +140,10 @@ def test_hllm_serve_answers_the_cohere_sdk_behind_a_key_and_stops_on_ctrl_c(tmp_
 
         assert [r.index for r in answer.results] == [d.index for d in Reranker.load(other).rank(
             "red leather boots", docs, top_k=2)]
+        assert answer.meta.first_stage_order is False  # the Cohere contract: documents are a set
+        declared = client.rerank(model="other", query="red leather boots", documents=docs,
+                                 request_options={"additional_body_parameters": {"first_stage_order": True}})
+        assert declared.meta.first_stage_order is True  # the extension through the SDK's extra-body parameters
         assert requests.post(f"{url}/v1/rerank", json={"query": "q", "documents": docs}, timeout=30).status_code == 401
         listed = requests.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"}, timeout=30).json()
         assert [m["id"] for m in listed["data"]] == ["main", "other"]

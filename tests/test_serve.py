@@ -261,21 +261,32 @@ def test_a_request_the_domain_guard_distrusts_keeps_the_input_order_and_says_so(
     ranker.save(tmp_path / "guarded")
     library = Reranker.load(tmp_path / "guarded")
     with library.model.head.guard.suspended():
-        assert [r.index for r in library.rank("red boots", DOCS)] != list(range(len(DOCS)))  # unguarded: reorders
-    assert [r.index for r in library.rank("red boots", DOCS)] == list(range(len(DOCS)))
+        assert [r.index for r in library.rank("red boots", DOCS, first_stage_order=True)] != list(range(len(DOCS)))  # unguarded: reorders
+    assert [r.index for r in library.rank("red boots", DOCS, first_stage_order=True)] == list(range(len(DOCS)))
+    own = [r.index for r in library.rank("red boots", DOCS)]  # undeclared: no order to fall back to, no prior
+    assert own != list(range(len(DOCS)))
     guarded = RerankDeployment.options(name="Guarded", ray_actor_options={"num_cpus": 0.5})
     serve.run(guarded.bind(AppArgs(model=str(tmp_path / "guarded")).model_dump()), name="guarded", route_prefix="/guarded")
     try:
-        out = requests.post(URL + "/guarded/v1/rerank", json={"query": "red boots", "documents": DOCS}, timeout=60).json()
-        assert [r["index"] for r in out["results"]] == list(range(len(DOCS)))
-        assert out["meta"]["trust"] == 0.0 and any("domain guard trust 0.00" in w for w in out["meta"]["warnings"])
-        assert out["meta"]["confidence"]["trust"] == 0.0 and out["meta"]["confidence"]["agreement"] == 1.0  # the input order
+        for path in ("/v1/rerank", "/v2/rerank", "/rerank"):  # the declared order round-trips through every route
+            out = requests.post(URL + "/guarded" + path, json={"query": "red boots", "documents": DOCS, "first_stage_order": True},
+                                timeout=60).json()
+            assert [r["index"] for r in out["results"]] == list(range(len(DOCS))) and out["meta"]["first_stage_order"] is True
+            assert out["meta"]["trust"] == 0.0 and any("domain guard trust 0.00" in w for w in out["meta"]["warnings"])
+            assert out["meta"]["confidence"]["trust"] == 0.0 and out["meta"]["confidence"]["agreement"] == 1.0  # the input order
+            free = requests.post(URL + "/guarded" + path, json={"query": "red boots", "documents": DOCS}, timeout=60).json()
+            assert [r["index"] for r in free["results"]] == own and free["meta"]["first_stage_order"] is False
+            assert free["meta"]["trust"] == 0.0 and free["meta"]["confidence"]["agreement"] is None
+            assert any("no first-stage order was declared" in w for w in free["meta"]["warnings"])
+        bad = requests.post(URL + "/guarded/v1/rerank", json={"query": "q", "documents": DOCS, "first_stage_order": "yes"}, timeout=60)
+        assert bad.status_code == 422 and "first_stage_order" in bad.text
     finally:
         serve.delete("guarded")
     plain = requests.post(URL + "/v1/rerank", json={"query": "red boots", "documents": DOCS}, timeout=60).json()
     assert "trust" not in plain["meta"]  # a model without a guard says nothing of it
     # the single pass's confidence, read off the same matrix (hllm.model.confidence): no guard, trust 1
     assert set(plain["meta"]["confidence"]) == {"margin", "sharpness", "agreement", "trust"}
+    assert plain["meta"]["confidence"]["agreement"] is None  # undeclared: no first-stage order to agree with
     assert plain["meta"]["confidence"]["trust"] == 1.0 and plain["meta"]["confidence"]["margin"] >= 0
 
 

@@ -87,7 +87,7 @@ def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data, trec_stud
     (slate,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=100)[:1]
     reranker = trec_student
     monkeypatch.setattr(reranker, "window", reranker.default_window)  # as `hllm rerank` sets it (put back after)
-    ranked = reranker.windowed_orders([slate.query.text], [[c.text for c in slate.candidates]])
+    ranked = reranker.windowed_orders([slate.query.text], [[c.text for c in slate.candidates]], first_stage_order=True)
     assert ranked.windows == [1] and is_permutation(ranked.orders[0], 100)
     assert 0 <= quality([slate], ranked.orders, 2)["nDCG@10"] <= 1
 

@@ -132,9 +132,11 @@ def test_a_request_is_answered_by_the_student_it_names(many, fleet, registry):
     assert default.status_code == 200, default.text
     assert default.json()["model"] == "main"
     assert default.json()["meta"]["model_version"] == f"models:/fleet/{versions['champion']}"  # the alias, pinned
-    other = post("/many", model="other", query="red boots", documents=DOCS[:5], top_n=2, return_documents=True)
+    other = post("/many", model="other", query="red boots", documents=DOCS[:5], top_n=2, return_documents=True,
+                 first_stage_order=True)
     assert other.status_code == 200, other.text
     out = other.json()
+    assert out["meta"]["first_stage_order"] is True and default.json()["meta"]["first_stage_order"] is False  # routed on
     assert out["model"] == "other" and out["meta"]["model_version"].startswith(str(fleet["other"]))
     expected = [d.index for d in Reranker.load(fleet["other"]).rank("red boots", DOCS[:5], top_k=2)]
     assert [r["index"] for r in out["results"]] == expected and len(out["results"]) == 2

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hllm.data.order import reorder
 from hllm.data.store import merge
 from hllm.eval.runfile import ShardedRun
 from hllm.records import RerankRequest
@@ -45,8 +46,17 @@ class RerankSpec:
     device: str = "auto"
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     tag: str = "hllm"  # the run file's last column
+    # the order each query's candidates are handed over in (hllm.data.order: first-stage, shuffled[:SEED], reversed),
+    # and whether it is declared a first-stage ranking the student's prior may read (None: only the first stage's is)
+    input_order: str = "first-stage"
+    declare_order: bool | None = None
 
     def __post_init__(self) -> None:
+        from hllm.data.order import InputOrder
+
+        order = InputOrder.parse(self.input_order)
+        if self.declare_order and not order.declared:
+            raise ValueError(f"input order {order} is no first-stage ranking: it cannot be declared one")
         if sum(x is not None for x in (self.model, self.teacher, self.teacher_url)) != 1:
             raise ValueError("give exactly one of a student model, a teacher job folder or a teacher URL")
         if (self.teacher_url is None) != (self.teacher_model is None):
@@ -56,6 +66,13 @@ class RerankSpec:
         """The fields that decide the rankings, which a resumed run must share with its shards; how the
         work runs (`RUN_ONLY`: batch sizes, token cap, device, threads) may change between runs."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUN_ONLY}
+
+    @property
+    def first_stage_order(self) -> bool:
+        """Whether the candidates go to the student as a declared first-stage ranking."""
+        from hllm.data.order import InputOrder
+
+        return InputOrder.parse(self.input_order).declared if self.declare_order is None else self.declare_order
 
 
 # RerankSpec fields that do not change a ranking (a served teacher's: where it is and how hard it is driven)
@@ -107,14 +124,25 @@ class ShardRanker:
         return orders, totals, notes
 
     def _rank(self, slates: Sequence[RerankRequest]) -> tuple[list[list[int]], dict[str, Any], list[dict[str, Any]]]:
+        """-> orders as indices into `slates`' own (first-stage) candidate lists, whatever order `spec.input_order`
+        handed the candidates over in."""
+        from hllm.data.order import InputOrder
+
+        order = InputOrder.parse(self.spec.input_order)
+        perms = [order.permutation(len(s.candidates), s.slate_id) for s in slates]  # new position -> first-stage index
+        orders, stats, notes = self._rank_as_given([reorder(s, order) for s in slates])
+        return [[perm[j] for j in o] for perm, o in zip(perms, orders)], stats, notes
+
+    def _rank_as_given(self, slates: Sequence[RerankRequest]) -> tuple[list[list[int]], dict[str, Any], list[dict[str, Any]]]:
         from hllm.model.prompts import document_text
 
         if self.spec.model is not None:
             docs = [[document_text(c) for c in s.candidates] for s in slates]
-            ranked = self.reranker.windowed_orders([s.query.text for s in slates], docs)
+            ranked = self.reranker.windowed_orders([s.query.text for s in slates], docs,
+                                                   first_stage_order=self.spec.first_stage_order)
             notes = [{"qid": s.slate_id, "confidence": c.as_dict(), "trust": t, "windows": w}
                      for s, c, t, w in zip(slates, ranked.confidence, ranked.trust, ranked.windows)]
-            fell_back = sum(t is not None and t < 1 for t in ranked.trust)
+            fell_back = sum(t is not None and t < 1 for t in ranked.trust) if self.spec.first_stage_order else 0
             return ranked.orders, {"queries": len(slates), "windows": sum(ranked.windows), "failed": 0, "fell_back": fell_back,
                                    "unknown_tokens": sum(ranked.unknown_tokens), "shown_tokens": sum(ranked.shown_tokens)}, notes
         rankings, extra = self.teacher.rank_summarized(list(slates))

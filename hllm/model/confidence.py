@@ -9,7 +9,8 @@ Letters: N items, K positions (K <= N), k the top positions a signal looks at (k
   assignment left out. 0 is a tie: the head could as well have put another passage there.
 - `sharpness`: the mean over the top-k positions of the column softmax's probability of the item placed there.
 - `agreement`: the share of the order's top k that the input order also has in its top k (a single pass that moved
-  far from its first stage, on a query like no training query, is the case to check).
+  far from its first stage, on a query like no training query, is the case to check). Defined only for a declared
+  first-stage order (None otherwise: the order of a set of documents is no ranking to agree with).
 - `trust`: the domain guard's trust in the slate (1 for a model without a guard).
 
 `confidence(matrix, order, trust)` -> `Confidence` with each of them; a cascade (`hllm rerank --cascade`) escalates
@@ -35,16 +36,18 @@ SIGNALS: tuple[str, ...] = ("margin", "sharpness", "agreement", "trust")
 class Confidence:
     margin: float
     sharpness: float
-    agreement: float
+    agreement: float | None  # None: the input order was not declared a first-stage ranking
     trust: float
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | None]:
         return asdict(self)
 
-    def value(self, signal: str) -> float:
+    def value(self, signal: str) -> float | None:
+        """The signal's value; None where it is undefined for this slate (`agreement` of an undeclared order)."""
         if signal not in SIGNALS:
             raise ValueError(f"unknown confidence signal {signal!r}; known: {list(SIGNALS)}")
-        return float(getattr(self, signal))
+        value = getattr(self, signal)
+        return None if value is None else float(value)
 
 
 def assignment_margin(scores: np.ndarray, order: np.ndarray, k: int) -> float:
@@ -80,12 +83,14 @@ def agreement(order: np.ndarray, k: int) -> float:
     return float(np.mean(np.asarray(order[:k]) < k))
 
 
-def confidence(scores: np.ndarray, order: np.ndarray, trust: float | None = None, k: int = 10) -> Confidence:
-    """Every signal of one slate: `scores` (N, K) its matrix, `order` (N,) the decoded order, `trust` the guard's."""
+def confidence(scores: np.ndarray, order: np.ndarray, trust: float | None = None, k: int = 10,
+               first_stage_order: bool = True) -> Confidence:
+    """Every signal of one slate: `scores` (N, K) its matrix, `order` (N,) the decoded order, `trust` the guard's;
+    `first_stage_order`: whether the input order was a declared first-stage ranking (else `agreement` is None)."""
     scores = np.asarray(scores, dtype=np.float64)
     order = np.asarray(order)
     return Confidence(margin=assignment_margin(scores, order, k), sharpness=sharpness(scores, order, k),
-                      agreement=agreement(order, k), trust=1.0 if trust is None else float(trust))
+                      agreement=agreement(order, k) if first_stage_order else None, trust=1.0 if trust is None else float(trust))
 
 
 # ---- thresholds kept with the model ---------------------------------------------------------------------
@@ -105,6 +110,8 @@ class CascadeThresholds:
     def fit(cls, confidences: Sequence[Confidence], source: str) -> "CascadeThresholds":
         if not confidences:
             raise ValueError("cascade thresholds need the confidence of at least one query")
+        if any(c.agreement is None for c in confidences):
+            raise ValueError("cascade thresholds are fitted on slates in their declared first-stage order (agreement defined)")
         quantiles = {s: [float(v) for v in np.quantile([c.value(s) for c in confidences], GRID)] for s in SIGNALS}
         return cls(quantiles, {"queries": len(confidences), "source": source})
 

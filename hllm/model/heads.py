@@ -293,31 +293,39 @@ class RankPriorHead(nn.Module):
         """(N, K) the scores of a slate the head does not touch (its residual at 0): the input order's."""
         return self.log_beta.exp().detach() * PRIOR_MATRICES[self.kind](n, k, device)
 
-    def forward(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
-        return self.scores_and_trust(items, item_mask)[0]
+    def forward(self, items: torch.Tensor, item_mask: torch.Tensor, declared: torch.Tensor | None = None) -> torch.Tensor:
+        return self.scores_and_trust(items, item_mask, declared)[0]
 
-    def scores_and_trust(self, items: torch.Tensor, item_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> ((B, N, K) scores, (B,) the guard's trust, or None without a guard): the guard read once."""
+    def scores_and_trust(self, items: torch.Tensor, item_mask: torch.Tensor, declared: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> ((B, N, K) scores, (B,) the guard's trust, or None without a guard): the guard read once.
+
+        `declared` (B,) bool: whether each slate's input order is a declared first-stage ranking (None: all are).
+        An undeclared slate's order is no ranking: its scores are the gated residual alone (no prior term), and
+        the guard, whose fallback is the input order, does not scale it (its trust is still returned)."""
         residual = self.residual(items, item_mask)  # (B, N, K)
         b, n, k = residual.shape
         mask = item_mask[:, :, None].to(items.dtype)  # (B, N, 1)
         pooled = (self.gate_norm(items) * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # (B, D) mean over real items
         gate = 2 * torch.sigmoid(self.gate(pooled))[:, :, None]  # (B, 1, 1)
         trust = None if self.guard is None else self.guard(items, item_mask)  # (B,)
+        on = torch.ones(b, dtype=residual.dtype, device=residual.device) if declared is None else declared.to(residual)  # (B,)
         if trust is not None:
-            gate = gate * trust.to(gate.dtype)[:, None, None]  # (B, 1, 1)
+            gate = gate * (on * trust.to(gate.dtype) + (1 - on))[:, None, None]  # (B, 1, 1)
         prior = PRIOR_MATRICES[self.kind](n, k, items.device).to(residual.dtype)  # (N, K)
-        return self.log_beta.exp().to(residual.dtype) * prior + gate * residual, trust  # (B, N, K), (B,)
+        beta = self.log_beta.exp().to(residual.dtype) * on[:, None, None]  # (B, 1, 1): 0 for an undeclared order
+        return beta * prior + gate * residual, trust  # (B, N, K), (B,)
 
 
-def within_support(head: nn.Module, matrix: np.ndarray, doc_budget: int) -> tuple[np.ndarray, bool]:
+def within_support(head: nn.Module, matrix: np.ndarray, doc_budget: int, declared: bool = True) -> tuple[np.ndarray, bool]:
     """An (n, k) score matrix of a prompt that let each passage show `doc_budget` tokens -> (it, True); outside
     the head's guard's support (`DomainGuard.supports`) -> (the head's prior alone, whose assignment is the
-    input order, False). The one place the support decides, for requests and cached states alike."""
+    input order, False), or, for an undeclared input order (no order to fall back to), (the matrix, False).
+    The one place the support decides, for requests and cached states alike."""
     guard = getattr(head, "guard", None)
     if guard is None or guard.supports(doc_budget):
         return matrix, True
-    return head.prior_scores(*matrix.shape).float().cpu().numpy(), False
+    return (head.prior_scores(*matrix.shape).float().cpu().numpy() if declared else matrix), False
 
 
 PRIOR_MATRICES: dict[str, Callable[..., torch.Tensor]] = {"rank": rank_prior, "logrank": logrank_prior}

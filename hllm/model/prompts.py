@@ -90,6 +90,9 @@ class EncodedPrompt:
     # query): what a `mean` pooling averages; a candidate cut to no tokens spans its last token
     item_spans: list[tuple[int, int]] = field(default_factory=list)
     doc_budget: int = 0  # the tokens each document could show (the config's cap, or less where the context is short)
+    # whether the documents' order is a declared first-stage ranking (best first), which a head's prior may read;
+    # a slate (`encode`) is one by definition, a request's documents are a set unless its caller says so
+    first_stage_order: bool = True
 
 
 UNKNOWN_TOKEN_WARNING = 0.1  # warn when more of the shown tokens than this are outside the model's vocabulary

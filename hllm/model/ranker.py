@@ -30,7 +30,7 @@ from torch import nn
 from hllm.config import from_dict, to_dict
 from hllm.model.backbones import ModelConfig, load_backbone, save_backbone, weights_dir
 from hllm.model.card import CONFIG_FILE
-from hllm.model.heads import HeadConfig, build_head
+from hllm.model.heads import HeadConfig, RankPriorHead, build_head
 from hllm.model.item_states import POOLINGS, Pooling, layers_from, pooled_item_states
 from hllm.model.prompts import PromptBuilder, PromptConfig
 
@@ -151,11 +151,12 @@ class SinglePassRanker(nn.Module):
         return self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
-                item_mask: torch.Tensor, item_spans: torch.Tensor | None = None) -> torch.Tensor:
+                item_mask: torch.Tensor, item_spans: torch.Tensor | None = None, declared: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) prompts, (B, N) item positions, (B, N) mask, (B, N, 2) item spans (for a `mean` pooling)
         -> (B, N, K) item-position logits. With the `last` pooling the last decoder layer runs at the N
-        item positions only (`hllm.model.item_states`): the same states, less work."""
-        return self.score_states(self.item_states(input_ids, attention_mask, item_positions, item_spans), item_mask)
+        item positions only (`hllm.model.item_states`): the same states, less work. `declared` (B,) bool:
+        whether each prompt's order is a declared first-stage ranking (None: all are; `score_states`)."""
+        return self.score_states(self.item_states(input_ids, attention_mask, item_positions, item_spans), item_mask, declared)
 
     def item_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
                     item_spans: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,19 +183,25 @@ class SinglePassRanker(nn.Module):
             return pooled_item_states(upper, None, attention_mask, item_positions, item_spans, self.cfg.pooling,
                                       inputs_embeds=hidden.to(next(self.body.parameters()).dtype))
 
-    def score_states(self, items: torch.Tensor, item_mask: torch.Tensor) -> torch.Tensor:
-        """(B, N, D) item states, (B, N) mask -> (B, N, K) item-position logits: the head alone."""
-        return self.head(items.to(next(self.head.parameters()).dtype), item_mask)
+    def score_states(self, items: torch.Tensor, item_mask: torch.Tensor, declared: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, N, D) item states, (B, N) mask -> (B, N, K) item-position logits: the head alone. `declared` (B,)
+        bool: whether each slate's input order is a declared first-stage ranking, which the head's prior may
+        read (None: all are); a head without a prior reads no order, declared or not."""
+        items = items.to(next(self.head.parameters()).dtype)
+        if declared is None or not isinstance(self.head, RankPriorHead):
+            return self.head(items, item_mask)
+        return self.head(items, item_mask, declared)
 
     def scores_and_trust(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, item_positions: torch.Tensor,
-                         item_mask: torch.Tensor, item_spans: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         item_mask: torch.Tensor, item_spans: torch.Tensor | None = None,
+                         declared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, with the head's domain-guard trust in each slate (1: the head's own ranking, 0: the
         first-stage order; `hllm.model.heads.DomainGuard`), or None for a head without one: one prefill, one head
         pass. -> ((B, N, K) logits, (B,) trust or None)."""
         if getattr(self.head, "guard", None) is None:
-            return self(input_ids, attention_mask, item_positions, item_mask, item_spans), None
+            return self(input_ids, attention_mask, item_positions, item_mask, item_spans, declared), None
         items = self.item_states(input_ids, attention_mask, item_positions, item_spans)
-        return self.head.scores_and_trust(items.to(next(self.head.parameters()).dtype), item_mask)
+        return self.head.scores_and_trust(items.to(next(self.head.parameters()).dtype), item_mask, declared)
 
     # ---- persistence ---------------------------------------------------------------------
     def save(self, directory: str | Path, bundle_base: bool = False) -> None:

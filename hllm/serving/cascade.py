@@ -72,7 +72,9 @@ class CascadeRule:
 
     def escalate(self, notes: Sequence[dict[str, Any]]) -> set[str]:
         """The query ids to hand to the teacher."""
-        values = sorted((n["confidence"][self.signal], n["qid"]) for n in notes)  # least confident first, ties by id
+        # least confident first, ties by id; a signal undefined for a query (agreement of an undeclared order) counts lowest
+        values = sorted((-math.inf if n["confidence"][self.signal] is None else n["confidence"][self.signal], n["qid"])
+                        for n in notes)
         if self.share is not None:
             return {q for _, q in values[: math.ceil(self.share * len(values))]}
         return {q for v, q in values if v < self.threshold}
@@ -117,7 +119,8 @@ def fit_thresholds(reranker, slates: Sequence[RerankRequest], source: str) -> Ca
     from hllm.model.prompts import document_text
 
     reranker.window = reranker.window or reranker.default_window  # as it serves: longer lists in windows, the top one's confidence
-    ranked = reranker.windowed_orders([s.query.text for s in slates], [[document_text(c) for c in s.candidates] for s in slates])
+    ranked = reranker.windowed_orders([s.query.text for s in slates], [[document_text(c) for c in s.candidates] for s in slates],
+                                      first_stage_order=True)  # slates: first-stage order by definition
     return CascadeThresholds.fit(ranked.confidence, source)
 
 
@@ -232,9 +235,11 @@ class OnlineCascade:
                              "its training queries); give cascade.threshold, or fit them (hllm.serving.cascade.fit_thresholds)")
         return thresholds.threshold(self.cfg.signal, self.cfg.share)
 
-    def wants(self, confidence: dict[str, float] | Confidence, threshold: float) -> bool:
+    def wants(self, confidence: dict[str, float | None] | Confidence, threshold: float) -> bool:
+        """Whether to escalate: the signal below the threshold, or undefined for this request (`agreement` of an
+        undeclared input order: the student cannot vouch for its answer by a signal it does not have)."""
         value = confidence.value(self.cfg.signal) if isinstance(confidence, Confidence) else confidence[self.cfg.signal]
-        return value < threshold
+        return value is None or value < threshold
 
     async def ask(self, query: str, documents: Sequence[str]) -> Escalation:
         from hllm.records import Candidate, Query

@@ -79,16 +79,19 @@ def state_batch(items: Sequence[StateSlate], unjudged: int | None, device: torch
 
 
 @torch.no_grad()
-def score_state_slates(ranker: SinglePassRanker, items: Sequence[StateSlate], batch_size: int = 16) -> list[np.ndarray]:
+def score_state_slates(ranker: SinglePassRanker, items: Sequence[StateSlate], batch_size: int = 16, *,
+                       first_stage_order: bool = True) -> list[np.ndarray]:
     """Per slate its (n, min(K, n)) score matrix from cached states: what `Reranker.score_encoded`
-    returns for the same prompts, without the prefill."""
+    returns for the same prompts, without the prefill (`first_stage_order`: whether the slates' order is declared
+    a first-stage ranking, as `EncodedPrompt.first_stage_order`)."""
     was_training = ranker.training
     ranker.eval()
     out: list[np.ndarray] = []
     for start in range(0, len(items), batch_size):
         chunk = items[start: start + batch_size]
         batch = state_batch(chunk, None, ranker.device)
-        logits = ranker.score_states(batch["states"], batch["item_mask"]).float().cpu().numpy()  # (B, N, K)
+        declared = torch.full((len(chunk),), first_stage_order, device=ranker.device)  # (B,)
+        logits = ranker.score_states(batch["states"], batch["item_mask"], declared).float().cpu().numpy()  # (B, N, K)
         for row, item in enumerate(chunk):
             n = len(item.slate.candidates)
             out.append(logits[row, :n, : min(n, logits.shape[2])])
@@ -96,8 +99,9 @@ def score_state_slates(ranker: SinglePassRanker, items: Sequence[StateSlate], ba
     return out
 
 
-def state_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder: str = "hungarian") -> list[list[int]]:
-    return decode_orders(score_state_slates(ranker, items), decoder)
+def state_orders(ranker: SinglePassRanker, items: Sequence[StateSlate], decoder: str = "hungarian", *,
+                 first_stage_order: bool = True) -> list[list[int]]:
+    return decode_orders(score_state_slates(ranker, items, first_stage_order=first_stage_order), decoder)
 
 
 def decode_orders(matrices: Sequence[np.ndarray], decoder: str = "hungarian") -> list[list[int]]:
