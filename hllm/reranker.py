@@ -236,12 +236,16 @@ class Reranker:
         return Assessed(docs, confidence(matrix, decoded.permutation, trust, first_stage_order=first_stage_order), trust)
 
     # ---- whole requests ----------------------------------------------------------------------
-    def score_slates(self, slates: Sequence[RerankRequest], batch_size: int | None = None) -> list[np.ndarray]:
-        """Score matrices for many slates, `batch_size` per forward pass (evaluation)."""
+    def score_slates(self, slates: Sequence[RerankRequest], batch_size: int | None = None, *,
+                     first_stage_order: bool = True) -> list[np.ndarray]:
+        """Score matrices for many slates, `batch_size` per forward pass (evaluation). A slate's candidates are in
+        first-stage order (declared); `first_stage_order=False` reads them as a set (e.g. slates shuffled to measure)."""
         size = batch_size or self.batch_size
         matrices: list[np.ndarray] = []
         for start in range(0, len(slates), size):
-            matrices += self.score_encoded([self.encode_slate(s) for s in slates[start: start + size]])
+            prompts = [dataclasses.replace(self.encode_slate(s), first_stage_order=first_stage_order)
+                       for s in slates[start: start + size]]
+            matrices += self.score_encoded(prompts)
         return matrices
 
     def rank(self, query: str, documents: Sequence[str], top_k: int | None = None,

@@ -10,6 +10,7 @@
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.recipes.realtext
+    hllm order --config configs/order/smollm2.yaml                         # = python -m hllm.recipes.order
     hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml  # = python -m pipelines.distill_text
     hllm adaptation --config configs/adaptation/dl19-multistage.yaml   # = python -m pipelines.adaptation
     hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
@@ -297,6 +298,13 @@ def cmd_realtext(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_order(args: argparse.Namespace) -> int:
+    from hllm.recipes import order
+
+    order.main([f"--config={args.config}", *args.overrides])
+    return 0
+
+
 def cmd_distilltext(args: argparse.Namespace) -> int:
     from pipelines import distill_text
 
@@ -475,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML config (e.g. configs/realtext/smollm2-trec-dl.yaml)")
     t.add_argument("overrides", nargs="*", help="key=value overrides")
     t.set_defaults(func=cmd_realtext)
+
+    o = sub.add_parser("order", help="the shipped real-text students under shuffled input orders: measured, re-fitted "
+                       "with permutation augmentation, re-shipped (hllm.recipes.order)")
+    o.add_argument("--config", required=True, help="YAML config (e.g. configs/order/smollm2.yaml)")
+    o.add_argument("overrides", nargs="*", help="key=value overrides")
+    o.set_defaults(func=cmd_order)
 
     d = sub.add_parser("distilltext", help="a real teacher's rankings (a file) distilled into the single-pass student: "
                        "teacher-folds, cross-year, the shipped student, MLflow runs (pipelines/distill_text.py)")

@@ -98,10 +98,14 @@ def shard_chunks(shard, builder, cfg: PipelineConfig) -> Iterator[list]:
     from hllm.train.loop import student_examples
 
     while True:
-        for batch in shard.iter_batches(batch_size=cfg.student.train.batch_size, batch_format="pyarrow", drop_last=True):
-            examples, _ = student_examples(builder, store.from_rows(batch.to_pylist()), cfg.student.loss)
-            if examples:
-                yield examples
+        size = cfg.student.train.batch_size
+        for batch in shard.iter_batches(batch_size=size, batch_format="pyarrow", drop_last=True):
+            # each slate once per order of student.train_orders: batches of the configured size, as in one process
+            examples, _ = student_examples(builder, store.from_rows(batch.to_pylist()), cfg.student.loss,
+                                           cfg.student.train_orders)
+            for start in range(0, len(examples), size):
+                if examples[start:start + size]:
+                    yield examples[start:start + size]
 
 
 def all_ranks_agree(stop: bool) -> bool:

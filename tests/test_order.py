@@ -213,3 +213,24 @@ def test_the_order_recipe_measures_refits_and_reships_a_probe_at_tiny_scale(tmp_
     served = shipped.rank_batch([i.slate.query.text for i in items], [[c.text for c in i.slate.candidates] for i in items])
     assert [[d.index for d in r] for r in served] == state_orders(shipped.model, [StateSlate(i.slate, i.states) for i in items],
                                                                   first_stage_order=False)
+
+
+def test_augmented_training_examples_keep_the_teachers_ranking_with_its_documents(small_splits, tiny_backbone):
+    from hllm.model.prompts import PromptBuilder, PromptConfig
+    from hllm.records import RankedSlate, TeacherRanking
+    from hllm.train.loop import LossConfig, student_batch, student_examples
+
+    from hllm.records import ParseCounts
+
+    builder = PromptBuilder(tiny_backbone[1], PromptConfig(template="compact"), 512)
+    slates = small_splits["train"][:4]
+    ranked = [RankedSlate(s, TeacherRanking(s.slate_id, [3, 0, 5, 1, 7, 2, 6, 4], "", ParseCounts())) for s in slates]
+    examples, dropped = student_examples(builder, ranked, LossConfig(), ["first-stage", "shuffled:0", "reversed"])
+    assert dropped == 0 and len(examples) == 3 * len(slates)
+    for k, order in enumerate(["first-stage", "shuffled:0", "reversed"]):
+        for r, e in zip(ranked, examples[k * len(slates):(k + 1) * len(slates)]):
+            moved = reorder(r.slate, InputOrder.parse(order))
+            # the teacher's best-first documents, read through the example's own order: the same ids
+            assert [moved.candidates[i].docid for i in e.perm] == [r.slate.candidates[i].docid for i in r.ranking.permutation]
+            assert e.grades == moved.grades and e.prompt.first_stage_order == (order == "first-stage")
+    assert student_batch(examples, 0)["declared"].tolist() == [True] * 4 + [False] * 8

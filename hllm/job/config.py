@@ -84,12 +84,23 @@ class StudentStageConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=300, batch_size=16, lr=1e-3))
     loss: LossConfig = field(default_factory=LossConfig)
+    # permutation augmentation: each training slate seen in these orders (hllm.data.order), its teacher ranking moved
+    # with its documents; only the first stage's is declared (the head's prior reads no other)
+    train_orders: list[str] = field(default_factory=lambda: ["first-stage"])
     # gates before distillation, on the teacher's train rankings (`hllm.job.stages.check_teacher`)
     min_teacher_validity: float = 0.0  # fail if fewer teacher answers parsed cleanly
     max_teacher_same_as_input: float = 0.5  # fail if more answers repeat the first-stage order
     max_teacher_tau_to_input: float = 0.9  # fail if the mean Kendall tau to the first-stage order is higher
 
     def __post_init__(self) -> None:
+        from hllm.data.order import InputOrder
+
+        if not self.train_orders or len(set(self.train_orders)) != len(self.train_orders):
+            raise ConfigError(f"student.train_orders: at least one order, none twice (got {self.train_orders})")
+        try:
+            [InputOrder.parse(o) for o in self.train_orders]
+        except ValueError as err:
+            raise ConfigError(f"student.train_orders: {err}") from None
         if self.init_from_teacher and self.model is not None:
             raise ConfigError("student.model would be ignored: student.init_from_teacher is true, so the student "
                               "starts from the teacher's weights; set student.init_from_teacher=false to use it")

@@ -17,7 +17,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 
 from hllm.data import store
 from hllm.data.cache import fingerprint, mark_done, stage_done, stage_info
+from hllm.data.order import InputOrder, reorder
 from hllm.eval.evaluation import (EvalConfig, Means, StudentEval, StudentSums, TeacherSums, add_quality, first_stage_order,
                                   latency_profile, quality_of)
 from hllm.data.progress import Progress
@@ -327,7 +328,7 @@ def train_student_model(rcfg: RankerConfig, student: StudentStageConfig, train: 
     """Builds and trains a student in this process. -> (ranker, history, slates dropped by the filter)."""
     torch.manual_seed(student.train.seed)  # the head's initialisation
     ranker = SinglePassRanker.build(rcfg).to(device)
-    examples, dropped = student_examples(ranker.prompts, train, student.loss)
+    examples, dropped = student_examples(ranker.prompts, train, student.loss, student.train_orders)
     held_out, _ = student_examples(ranker.prompts, val, student.loss)
     log.info("student: training %s head, %s backbone on %d slates (%d dropped without a teacher permutation), "
              "%d held out", rcfg.head.kind, rcfg.adapt.mode, len(examples), dropped, len(held_out))
@@ -460,11 +461,13 @@ class EvalSums:
     teacher_free: TeacherSums | None
     student: StudentSums
     calibration: ReliabilitySums | None
+    shuffled: Means  # the same slates shuffled (SHUFFLED), the order undeclared: "input" its own, "student" the student's
     slates: int = 0
     slate_size: int = 0
 
     def merge(self, other: "EvalSums") -> "EvalSums":
         self.first_stage.merge(other.first_stage)
+        self.shuffled.merge(other.shuffled)
         self.teacher.merge(other.teacher)
         if self.teacher_free is not None and other.teacher_free is not None:
             self.teacher_free.merge(other.teacher_free)
@@ -476,6 +479,9 @@ class EvalSums:
         return self
 
 
+SHUFFLED = InputOrder("shuffled", 0)  # the job's robustness check: its test slates in one fixed shuffle each
+
+
 def eval_batch_sums(reranker: Reranker, teacher: Teacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
     """One batch of test slates with their teacher rankings: scored once by the student (the decoder
     report and the calibration read the same matrices); where the teacher's rankings were constrained,
@@ -484,6 +490,12 @@ def eval_batch_sums(reranker: Reranker, teacher: Teacher, items: Sequence[Ranked
     matrices = reranker.score_slates(slates)
     first_stage = Means()
     add_quality(first_stage, "", slates, first_stage_order(slates), rel)
+    # the student handed the same candidates as a set: one fixed shuffle per slate, no order declared
+    moved = [reorder(s, SHUFFLED) for s in slates]
+    shuffled = Means()
+    add_quality(shuffled, "input/", moved, first_stage_order(moved), rel)
+    add_quality(shuffled, "student/", moved, [reranker.decode(m).permutation.tolist()
+                                              for m in reranker.score_slates(moved, first_stage_order=False)], rel)
     free = None
     if teacher.decoding == "constrained":
         free = TeacherSums(rel).add(slates, teacher.with_config(constrained=False).rank(slates))
@@ -492,7 +504,7 @@ def eval_batch_sums(reranker: Reranker, teacher: Teacher, items: Sequence[Ranked
         calibration = calibration_sums(reranker.calibrator, *_scored(reranker, slates, matrices))
     return EvalSums(rel, first_stage, TeacherSums(rel).add(slates, [i.ranking for i in items]), free,
                     StudentSums(cfg).add(slates, matrices, [i.ranking.permutation for i in items]), calibration,
-                    slates=len(slates), slate_size=max((len(s.candidates) for s in slates), default=0))
+                    shuffled, slates=len(slates), slate_size=max((len(s.candidates) for s in slates), default=0))
 
 
 def shard_sums(reranker: Reranker, teacher: Teacher, items: Sequence[RankedSlate], cfg: EvalConfig) -> EvalSums:
@@ -539,10 +551,13 @@ class EvalReport:
     student: StudentEval
     latency: dict[str, dict[str, float]]
     calibration: dict[str, Any] | None = None  # ECE and reliability bins of relevance_score on the test slates
+    # the same test slates shuffled (SHUFFLED), no order declared: {"input": the shuffled order's own, "student": ...}
+    shuffled: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, sums: EvalSums, latency: dict[str, dict[str, float]], teacher_decoding: str) -> "EvalReport":
         return cls(test_slates=sums.slates, slate_size=sums.slate_size, first_stage=quality_of(sums.first_stage, "", sums.rel),
+                   shuffled={who: quality_of(sums.shuffled, f"{who}/", sums.rel) for who in ("input", "student")},
                    teacher=sums.teacher.report(), teacher_decoding=teacher_decoding,
                    teacher_free=sums.teacher_free.report() if sums.teacher_free is not None else None,
                    student=sums.student.report(), latency=latency,
@@ -595,6 +610,8 @@ def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:
     return [
         f"nDCG@10 over {report.test_slates} test queries: first stage {report.first_stage['nDCG@10']:.4f} | "
         f"teacher {t['nDCG@10']:.4f} | student ({main_decoder}) {s['nDCG@10']:.4f}",
+        f"the same test queries shuffled ({SHUFFLED}, no order declared): the shuffled order itself "
+        f"{report.shuffled['input']['nDCG@10']:.4f} | student {report.shuffled['student']['nDCG@10']:.4f}",
         f"student vs teacher: Kendall tau {s['kendall_tau']:.3f}, top-1 agreement {s['top1_agreement']:.3f} | "
         f"teacher vs first stage: {t['same_as_input']:.1%} of answers identical, Kendall tau {t['tau_to_input']:.3f}",
         validity,

@@ -23,6 +23,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from hllm.data.order import FIRST_STAGE, InputOrder, reorder
 from hllm.model.prompts import EncodedPrompt, PromptBuilder, collate
 from hllm.model.ranker import AdaptConfig, adapt_backbone
 from hllm.records import RankedSlate, RerankRequest
@@ -188,13 +189,27 @@ class StudentExample:
     grades: list[int] | None
 
 
-def student_examples(builder: PromptBuilder, ranked: Sequence[RankedSlate], loss_cfg: LossConfig
-                     ) -> tuple[list[StudentExample], int]:
+def student_examples(builder: PromptBuilder, ranked: Sequence[RankedSlate], loss_cfg: LossConfig,
+                     orders: Sequence[str] = ("first-stage",)) -> tuple[list[StudentExample], int]:
     """Slates with their teacher rankings -> (examples, dropped). The one filter: when a loss term
-    needs the teacher's permutation, slates without one (unparseable, not repaired) are dropped."""
+    needs the teacher's permutation, slates without one (unparseable, not repaired) are dropped.
+
+    Permutation augmentation: each slate becomes one example per order of `orders` (`hllm.data.order`): its
+    candidates, grades and the teacher's permutation moved together (the target is the same documents' ranking);
+    an order other than the first stage's is not declared (the head's prior does not read it)."""
     keep = [r for r in ranked if r.ranking.permutation is not None or not loss_cfg.needs_teacher]
-    return [StudentExample(builder.encode(r.slate, with_answer=False), r.ranking.permutation, r.slate.grades)
-            for r in keep], len(ranked) - len(keep)
+    out = []
+    for name in orders:
+        order = InputOrder.parse(name)
+        for r in keep:
+            slate, perm = reorder(r.slate, order), r.ranking.permutation
+            if perm is not None and order != FIRST_STAGE:
+                moved = order.permutation(len(r.slate.candidates), r.slate.slate_id)  # new position -> old
+                new_of = {old: new for new, old in enumerate(moved)}
+                perm = [new_of[i] for i in perm]
+            prompt = dataclasses.replace(builder.encode(slate, with_answer=False), first_stage_order=order.declared)
+            out.append(StudentExample(prompt, perm, slate.grades))
+    return out, len(ranked) - len(keep)
 
 
 def student_batch(examples: list[StudentExample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -202,6 +217,7 @@ def student_batch(examples: list[StudentExample], pad_id: int, device: torch.dev
     batch = collate([e.prompt for e in examples], pad_id)
     batch["perm"], batch["grades"] = padded_targets([e.perm for e in examples], [e.grades for e in examples],
                                                     batch["item_mask"].shape[1])
+    batch["declared"] = torch.tensor([e.prompt.first_stage_order for e in examples])  # (B,) may the prior read the order
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -221,7 +237,8 @@ def padded_targets(perms: Sequence[list[int] | None], grades: Sequence[Sequence[
 
 def student_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss_cfg: LossConfig):
     """-> (loss, {term: value}). `model` is a SinglePassRanker (or a DeepSpeed engine around one)."""
-    logits = model(batch["input_ids"], batch["attention_mask"], batch["item_positions"], batch["item_mask"], batch["item_spans"])
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["item_positions"], batch["item_mask"], batch["item_spans"],
+                   declared=batch.get("declared"))
     return mixed_loss(logits, batch["item_mask"], loss_cfg.terms, perm=batch["perm"], grades=batch["grades"])
 
 
