@@ -148,6 +148,13 @@ def test_folds_hold_out_a_querys_lists_from_every_stage_together(tmp_path):
         ranks = [int(c.docid[1:]) for c in sub.candidates]
         assert ranks == sorted(ranks) and sorted(perm) == [0, 1, 2, 3]  # first-stage order, the teacher's relative order
     assert adaptation.sub_slates(lists, [1], 4, 2, seed=0)[0][0] == subs[2]  # a list's sub-slates do not depend on the others
+    # permutation augmentation: every second sub-slate shuffled, the same candidates, the teacher's order moved with them
+    mixed, mixed_perms = adaptation.sub_slates(lists, [0, 1], 4, 2, seed=0, orders=["first-stage", "shuffled"])
+    assert mixed[0] == subs[0] and mixed[2] == subs[2]  # the first-stage sub-slates are the ones drawn before
+    for plain, plain_perm, moved, moved_perm in zip(subs[1::2], perms[1::2], mixed[1::2], mixed_perms[1::2]):
+        assert sorted(c.docid for c in moved.candidates) == sorted(c.docid for c in plain.candidates)
+        assert [moved.candidates[i].docid for i in moved_perm] == [plain.candidates[i].docid for i in plain_perm]
+    assert any([c.docid for c in m.candidates] != [c.docid for c in p.candidates] for m, p in zip(mixed[1::2], subs[1::2]))
 
 
 def test_the_guard_runs_from_the_student_to_the_first_stage():

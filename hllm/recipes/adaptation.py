@@ -52,6 +52,7 @@ import torch
 
 from hllm.config import to_dict
 from hllm.data.cache import fingerprint
+from hllm.data.order import InputOrder
 from hllm.data.readers import read_beir
 from hllm.eval.metrics import kendall_tau
 from hllm.model.backbones import ModelConfig, resolve_device
@@ -111,6 +112,9 @@ class AdaptationConfig:
     folds: int = 5
     sub_items: int = 20  # training sub-slates: this many candidates of a list, in first-stage order
     subs_per_list: int = 2
+    # permutation augmentation: a list's j-th sub-slate is read in sub_orders[j % len] (hllm.data.order; the seed of a
+    # `shuffled` entry is ignored: each sub-slate its own shuffle); only the first stage's order is declared to the prior
+    sub_orders: list[str] = field(default_factory=lambda: ["first-stage"])
     guard_weights: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf])
     students: list[StudentSpec] = field(default_factory=list)
     only: Literal["all", "cache"] = "all"  # cache: compute the prefix caches, then stop
@@ -149,6 +153,9 @@ class AdaptationConfig:
             raise ValueError(f"strong_stages {self.strong_stages} must be among stages {self.stages}")
         if "bm25" not in self.stages:
             raise ValueError("stages must include bm25: the share of the teacher's gain is read on its lists")
+        if not self.sub_orders:
+            raise ValueError("sub_orders: at least one order (first-stage: the sub-slates as drawn)")
+        [InputOrder.parse(o) for o in self.sub_orders]
 
 
 @dataclass
@@ -183,16 +190,23 @@ def read_lists(cfg: AdaptationConfig) -> Lists:
     return Lists(keys, slates, perms)
 
 
-def sub_slates(lists: Lists, index: list[int], m: int, count: int, seed: int) -> tuple[list[RerankRequest], list[list[int]]]:
-    """`count` sub-slates of `m` candidates of each list in `index`, in first-stage order, each with the teacher's
-    relative order; drawn by a seed of the list's own (the same sub-slates whichever lists are asked)."""
+def sub_slates(lists: Lists, index: list[int], m: int, count: int, seed: int, orders: list[str] | None = None
+               ) -> tuple[list[RerankRequest], list[list[int]]]:
+    """`count` sub-slates of `m` candidates of each list in `index`, the j-th in `orders[j % len(orders)]` (the first
+    stage's, or a shuffle of its own), each with the teacher's relative order; drawn by a seed of the list's own (the
+    same sub-slates whichever lists are asked)."""
+    kinds = [InputOrder.parse(o).kind for o in orders or ["first-stage"]]
     slates, perms = [], []
     for i in index:
         slate, perm = lists.slates[i], lists.perms[i]
         rng = random.Random(f"{seed}/{lists.keys[i][0]}/{lists.keys[i][1]}")
         n = len(slate.candidates)
-        for _ in range(count):
+        for j in range(count):
             keep = sorted(rng.sample(range(n), min(m, n)))
+            if kinds[j % len(kinds)] == "shuffled":
+                rng.shuffle(keep)
+            elif kinds[j % len(kinds)] == "reversed":
+                keep.reverse()
             where = {c: j for j, c in enumerate(keep)}
             slates.append(dataclasses.replace(slate, candidates=[slate.candidates[c] for c in keep],
                                               grades=[slate.grades[c] for c in keep] if slate.grades else None))
@@ -261,7 +275,7 @@ def caches(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, device: torch.de
     sub_stages = {st for t in group(cfg, s) if t.kind == "lora" for st in (t.train_stages or cfg.stages)}
     if sub_stages:
         sub_of = [i for i in lists.of(sorted(sub_stages), everyone) for _ in range(cfg.subs_per_list)]
-        slates, sub_perms = sub_slates(lists, sorted(set(sub_of)), cfg.sub_items, cfg.subs_per_list, cfg.seed)
+        slates, sub_perms = sub_slates(lists, sorted(set(sub_of)), cfg.sub_items, cfg.subs_per_list, cfg.seed, cfg.sub_orders)
         subs = prefix_states(cfg, s, ranker, slates, "subs")
     del ranker
     return Caches(whole, {i: j for j, i in enumerate(index)}, subs, sub_perms, sub_of)
@@ -282,11 +296,12 @@ def prefix_batch(ranker: SinglePassRanker, cache: PrefixStates, index: list[int]
     return {k: v.to(ranker.device) for k, v in batch.items()}
 
 
-def prefix_logits(ranker: SinglePassRanker, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, N, K) the ranker's logits from cached layer-F states: only its adapted layers run."""
+def prefix_logits(ranker: SinglePassRanker, batch: dict[str, torch.Tensor], declared: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, N, K) the ranker's logits from cached layer-F states: only its adapted layers run. `declared` (B,): whether
+    each prompt's order is a declared first-stage ranking (None: all are)."""
     items = ranker.item_states_from(batch["hidden"], batch["attention_mask"], batch["item_positions"], batch["item_spans"],
                                     ranker.frozen_below)
-    return ranker.score_states(items, batch["item_mask"])
+    return ranker.score_states(items, batch["item_mask"], declared)
 
 
 def train_lora(cfg: AdaptationConfig, s: StudentSpec, c: Caches, lists: Lists, train_lists: list[int], device: torch.device,
@@ -306,7 +321,9 @@ def train_lora(cfg: AdaptationConfig, s: StudentSpec, c: Caches, lists: Lists, t
         batch = prefix_batch(ranker, c.subs, chunk)
         perm, grades = padded_targets([c.sub_perms[j] for j in chunk], [c.subs.slates[j].grades for j in chunk],
                                       batch["item_mask"].shape[1])
-        return mixed_loss(prefix_logits(ranker, batch), batch["item_mask"], loss_cfg.terms, perm=perm.to(device),
+        kinds = [InputOrder.parse(cfg.sub_orders[j % cfg.subs_per_list % len(cfg.sub_orders)]) for j in chunk]
+        declared = torch.tensor([o.declared for o in kinds], device=device)  # (B,) a shuffled sub-slate: no prior
+        return mixed_loss(prefix_logits(ranker, batch, declared), batch["item_mask"], loss_cfg.terms, perm=perm.to(device),
                           grades=grades.to(device))
 
     def progress(step: int, row: dict) -> None:
@@ -356,7 +373,7 @@ def probe_matrices(cfg: AdaptationConfig, s: StudentSpec, train: list[StateSlate
 
 
 def fold_key(cfg: AdaptationConfig, s: StudentSpec) -> str:
-    fields = ("data", "stages", "teacher", "prompt", "top_n", "folds", "sub_items", "subs_per_list", "seed")
+    fields = ("data", "stages", "teacher", "prompt", "top_n", "folds", "sub_items", "subs_per_list", "sub_orders", "seed")
     return fingerprint({k: to_dict(cfg)[k] for k in fields}, to_dict(s))
 
 
