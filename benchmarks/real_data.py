@@ -4,6 +4,7 @@ job never saw; and the cross-year protocol of a finished `hllm.recipes.realtext`
 
     python benchmarks/real_data.py --cross-year runs/realtext --confirm runs/realtext-confirm   # the report as committed
     python benchmarks/real_data.py --teacher-folds runs/distilltext           # adds the real teachers' rows to it
+    python benchmarks/real_data.py --input-order runs/order                   # and the input-order rows (hllm order)
     python benchmarks/real_data.py --job runs/dl19-smollm2 [--transfer ../shared/data/cranfield] [--transfer-queries 40]
 
 `--cross-year RUN`: RUN's `report.json` (`python -m hllm.recipes.realtext --config configs/realtext/smollm2-trec-dl.yaml`)
@@ -49,8 +50,13 @@ from hllm.teacher.baselines import first_style_orders
 from pipelines.common import PipelineConfig
 
 FIELDS = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "teacher", "tau_to_teacher", "share_kept",
-          "share_kept_ci95"]  # the last four: teacher-folds and distilled cross-year rows only
+          "share_kept_ci95",  # these four: teacher-folds and distilled cross-year rows only
+          "input_order", "order_declared", "nDCG@10_ci95"]  # the order the candidates came in (hllm.data.order), declared to the prior or not
+TEACHER_FIELDS = FIELDS[:10]
+ORDER_FIELDS = ["collection", "queries", "split", "method", "input_order", "order_declared", "nDCG@10", "nDCG@10_ci95"]
 DISTILLED = "## Real teachers"  # the Markdown section of the --teacher-folds rows
+ORDERED = "## Input order"  # the Markdown section of the --input-order rows
+SECTIONS = (DISTILLED, ORDERED)
 log = logging.getLogger("hllm")
 
 
@@ -171,23 +177,41 @@ def table(rows: list[dict], fields: list[str] = FIELDS[:6]) -> list[str]:
                           for k in fields) + " |" for r in rows]
 
 
+def merge_rows(rows: list[dict], out: Path) -> list[dict]:
+    """`out`'s rows with `rows` merged in: a row of the same (collection, split, method, teacher, input order, declared)
+    is replaced where it stood, the others added at the end. A row from before the input-order column was measured in
+    the first stage's order."""
+    def key(x: dict) -> tuple:
+        return (x["collection"], x["split"], x["method"], x.get("teacher") or "", x.get("input_order") or "first-stage",
+                x.get("order_declared") or "")
+
+    new = {key(x): x for x in rows}
+    merged = []
+    if out.is_file():
+        with out.open() as f:
+            merged = [new.get(key(x), {**x, "input_order": x.get("input_order") or "first-stage"}) for x in csv.DictReader(f)]
+    return merged + [x for x in rows if x not in merged]
+
+
+def merge_section(out: Path, marker: str, section: list[str]) -> str:
+    """`out`'s Markdown twin with its `marker` section (up to the next of SECTIONS) replaced by `section`, or added."""
+    md = out.with_suffix(".md")
+    text = md.read_text() if md.is_file() else "# Real text: first stage, teacher, student\n"
+    parts, rest = {}, text
+    for m in sorted((m for m in SECTIONS if f"\n{m}" in text), key=lambda m: text.index(f"\n{m}"), reverse=True):
+        rest, _, body = rest.partition(f"\n{m}")
+        parts[m] = m + body.rstrip()
+    parts[marker] = "\n".join(section).rstrip()
+    return "\n\n".join([rest.rstrip(), *(parts[m] for m in SECTIONS if m in parts)])
+
+
 def add_teacher_folds(run: Path, out: Path) -> None:
     """A distilltext run's rows into `out` (CSV and its Markdown twin): a row of the same (collection,
     split, method, teacher) is replaced where it stands, an earlier run's section too; everything else stays."""
     rows, notes = teacher_fold_rows(run)
     cfg = json.loads((run / "config.json").read_text())
     r = cfg["ranker"]
-    def key(x: dict) -> tuple:
-        return x["collection"], x["split"], x["method"], x.get("teacher") or ""
-
-    new = {key(x): x for x in rows}
-    merged = []  # an earlier row of the same key is replaced where it stood
-    if out.is_file():
-        with out.open() as f:
-            merged = [new.get(key(x), x) for x in csv.DictReader(f)]
-    merged += [x for x in rows if x not in merged]
-    md = out.with_suffix(".md")
-    head = md.read_text().split(f"\n{DISTILLED}")[0].rstrip() if md.is_file() else "# Real text: first stage, teacher, student"
+    merged = merge_rows(rows, out)
     teachers = ", ".join(f"{t['name']} (`{Path(t['rankings']).name}`)" for t in cfg["teachers"])
     section = [
         f"{DISTILLED}: distilled from a file of the teacher's rankings (`{run}`, `hllm.recipes.distilltext`)", "",
@@ -201,8 +225,62 @@ def add_teacher_folds(run: Path, out: Path) -> None:
         "tau_to_teacher: mean Kendall tau over queries of the whole 100-candidate order. share_kept: (student - first "
         "stage) / (teacher - first stage) of mean nDCG@10, 95% percentile bootstrap over queries (scipy.stats.bootstrap, "
         f"{cfg['bootstrap']} resamples). MRR@10 counts grade >= {cfg['rel']} as relevant.", "", *notes[:notes.index("")], "",
-        *table(rows, FIELDS), *notes[notes.index(""):]]
-    write(merged, out, "\n".join([head, "", *section]), title=None)
+        *table(rows, TEACHER_FIELDS), *notes[notes.index(""):]]
+    write(merged, out, merge_section(out, DISTILLED, section), title=None)
+
+
+def input_order_rows(run: Path) -> tuple[list[dict], list[str]]:
+    """Rows and Markdown notes from a finished `hllm.recipes.order` run's report.json: per student, cross-year, the
+    variant shipped and the students as shipped before (first-stage order only), by input order."""
+    report = json.loads((run / "report.json").read_text())
+    cfg = report["config"]
+    test = Path(cfg["test_on"]).name
+    rows, notes = [], []
+
+    def row(method: str, order: str, declared: str, m: dict) -> dict:
+        return {"collection": test, "queries": m["queries"], "split": "input-order", "method": method,
+                "nDCG@10": round(m["nDCG@10"], 4), "input_order": order, "order_declared": declared,
+                "nDCG@10_ci95": f"[{m['ci95'][0]:.4f}, {m['ci95'][1]:.4f}]"}
+
+    first = report["students"][0]["variants"][report["students"][0]["chosen"]]["cross_year"]
+    shuffles = cfg["shuffles"]
+    rows.append(row("first_stage", "first-stage", "", first["first stage"]))
+    rows += [row("first_stage", key.removesuffix(" (the order itself)"), "", m) for key, m in first.items()
+             if key.endswith("(the order itself)")]
+    for st in report["students"]:
+        for key in dict.fromkeys([st["chosen"], st["before"]]):
+            cy = st["variants"][key]["cross_year"]
+            method = st["student"] if key == st["chosen"] else f"{st['student']} ({key})"
+            rows.append(row(method, "first-stage", "yes", cy["first-stage, declared"]))
+            served = cy["shuffled, as served (mean of the shuffles)"]
+            arrived = cy["shuffled, read as they arrived (mean of the shuffles)"]
+            for how, declared, mean in (("as served", "no", served), ("read as it arrived", "no, read as it arrived", arrived)):
+                rows += [row(method, k.removesuffix(f", {how}"), declared, m) for k, m in cy.items() if k.endswith(f", {how}")]
+                rows.append(row(method, f"shuffled (mean of {len(shuffles)})", declared, mean))
+            notes.append(f"- `{method}`: {st['variants'][key]['rule']}; spread over the {len(shuffles)} shuffles "
+                         f"{served['spread']:.4f} as served, {arrived['spread']:.4f} read as they arrived")
+    return rows, notes
+
+
+def add_input_order(run: Path, out: Path) -> None:
+    """An order run's rows into `out` (CSV and its Markdown twin), as `add_teacher_folds` does."""
+    rows, notes = input_order_rows(run)
+    cfg = json.loads((run / "report.json").read_text())["config"]
+    merged = merge_rows(rows, out)
+    section = [
+        f"{ORDERED}: the candidates shuffled, reversed, or in the first stage's order (`{run}`, `hllm.recipes.order`)", "",
+        f"Split `input-order`: every judged query of `{Path(cfg['test_on']).name}`, the students fitted on "
+        f"`{Path(cfg['train_on']).name}` (cross-year), the whole BM25 top {cfg['top_n']} in one prompt, in the order of "
+        "`input_order` (`hllm.data.order`: `shuffled:SEED` a fixed per-query shuffle). `order_declared`: yes, the "
+        "first-stage prior reads the ranks (`first_stage_order=true`); no, it is off and the ranking is the text's alone, "
+        "the list read in its canonical order as served (any arrival order gives the same answer); \"no, read as it "
+        "arrived\": the ablation, the causal prompt in the arrival order. "
+        "`first_stage` rows are the order itself. A method named with a variant in brackets is that variant of the "
+        "recipe's ablation (the students as shipped before); the bare name is the student as shipped now. nDCG@10_ci95: "
+        f"95% percentile bootstrap over queries ({cfg['bootstrap']} resamples). Rows above this section were measured "
+        "in the first stage's order (input_order first-stage), the prior reading it. Details: reports/order.md.", "",
+        *notes, "", *table(rows, ORDER_FIELDS)]
+    write(merged, out, merge_section(out, ORDERED, section), title=None)
 
 
 def main() -> None:
@@ -213,15 +291,20 @@ def main() -> None:
                         "(transfer_split=rest: queries never looked at) as split transfer-confirm")
     parser.add_argument("--teacher-folds", metavar="RUN", help="a finished hllm.recipes.distilltext run's output_dir: "
                         "its rows replace an earlier such run's in --out, every other row stays")
+    parser.add_argument("--input-order", metavar="RUN", help="a finished hllm.recipes.order run's output_dir: its rows "
+                        "(split input-order) replace an earlier such run's in --out, every other row stays")
     parser.add_argument("--transfer", action="append", default=[], help="with --job: another BEIR-style collection to rerank")
     parser.add_argument("--transfer-queries", type=int, default=40, help="at most this many of its test queries")
     parser.add_argument("--out", default="reports/real_data.csv")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.teacher_folds:
+    if args.teacher_folds or args.input_order:
         if args.job or args.cross_year:
-            parser.error("--teacher-folds adds its rows to --out on its own: run the others first")
-        add_teacher_folds(Path(args.teacher_folds), Path(args.out))
+            parser.error("--teacher-folds and --input-order add their rows to --out on their own: run the others first")
+        if args.teacher_folds:
+            add_teacher_folds(Path(args.teacher_folds), Path(args.out))
+        if args.input_order:
+            add_input_order(Path(args.input_order), Path(args.out))
         return
     if not (args.job or args.cross_year):
         parser.error("give --job, --cross-year, or both (or --teacher-folds)")

@@ -25,6 +25,11 @@ class Candidate:
     score: float | None = None  # first-stage score, if any
     title: str = ""
 
+    @property
+    def shown(self) -> str:
+        """What a prompt shows of the candidate: `title: text`, or the text alone."""
+        return f"{self.title}: {self.text}" if self.title else self.text
+
 
 @dataclass
 class RerankRequest:

@@ -30,6 +30,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from hllm.data.order import CANONICAL, canonical_order, reorder
 from hllm.data.traffic import model_key
 from hllm.model.backbones import resolve_device
 from hllm.model.calibration import Calibrator
@@ -157,9 +158,14 @@ class Reranker:
         """-> the prompt; raises `PromptTooLong` when the documents cannot fit the context.
         `max_doc_tokens` caps each document below the model's own budget (cuts are counted).
         `first_stage_order`: the documents come as a first-stage ranking, best first, and the model's prior may
-        read it; False (the default): they are a set, and nothing in the scores leans on their order."""
-        prompt = self.model.prompts.encode_texts(query, documents, with_answer=False, max_doc_tokens=max_doc_tokens)
-        return dataclasses.replace(prompt, first_stage_order=first_stage_order)
+        read it; False (the default): they are a set, read in their canonical order (`hllm.data.order`), so any
+        arrival order of the same documents gives this same prompt (its scores come back in the order given)."""
+        if first_stage_order:
+            return self.model.prompts.encode_texts(query, documents, with_answer=False, max_doc_tokens=max_doc_tokens)
+        order = canonical_order(documents)
+        prompt = self.model.prompts.encode_texts(query, [documents[i] for i in order], with_answer=False,
+                                                 max_doc_tokens=max_doc_tokens)
+        return dataclasses.replace(prompt, first_stage_order=False, reading_order=tuple(order))
 
     def encode_slate(self, slate: RerankRequest) -> EncodedPrompt:
         """A slate's prompt: its candidates are in first-stage order by definition (`RerankRequest`), declared."""
@@ -182,7 +188,8 @@ class Reranker:
         A prompt that showed each passage fewer tokens than the guard's support gets trust 0: its matrix is
         the head's prior alone (`hllm.model.heads.within_support`), whose assignment is the input order.
         A prompt whose order is not a declared first-stage ranking (`EncodedPrompt.first_stage_order`) is scored
-        without the prior, and its guard's trust is reported but falls back to no order (there is none)."""
+        without the prior, and its guard's trust is reported but falls back to no order (there is none). A matrix's
+        rows are the documents as given (a prompt that read them in another order, `reading_order`, is mapped back)."""
         out = []
         cap = resolve_max_batch_tokens(self.max_batch_tokens, self.device)
         for part in token_batches([len(p.input_ids) for p in prompts], cap):
@@ -195,6 +202,8 @@ class Reranker:
                 n = len(prompt.item_positions)
                 matrix, ok = within_support(self.model.head, logits[row, :n, : min(n, logits.shape[2])], prompt.doc_budget,
                                             prompt.first_stage_order)
+                if prompt.reading_order is not None:  # (n, K) rows in prompt order -> the documents' order
+                    matrix = matrix[np.argsort(prompt.reading_order)]
                 out.append((matrix, None if trust is None else trust[row] if ok else 0.0))
         return out
 
@@ -216,8 +225,14 @@ class Reranker:
         """The model's prompt and vocabulary as a key: traffic it answered can train students of the same key."""
         return model_key(self.model.cfg.prompt, self.model.tokenizer)
 
-    def decode(self, matrix: np.ndarray, decoder: str | None = None) -> Decoded:
-        return DECODERS[decoder or self.decoder](matrix)
+    def decode(self, matrix: np.ndarray, decoder: str | None = None, reading_order: Sequence[int] | None = None) -> Decoded:
+        """A score matrix (rows: the documents as given) -> the ranking. `reading_order` (a set's prompt order,
+        `EncodedPrompt.reading_order`): decoded in that order, so even exact ties do not depend on the arrival order."""
+        if reading_order is None:
+            return DECODERS[decoder or self.decoder](matrix)
+        r = np.asarray(reading_order)
+        decoded = DECODERS[decoder or self.decoder](matrix[r])  # rows in reading order
+        return dataclasses.replace(decoded, permutation=r[decoded.permutation], item_scores=decoded.item_scores[np.argsort(r)])
 
     def relevance(self, matrix: np.ndarray, permutation: Sequence[int]) -> np.ndarray | None:
         """(N,) calibrated P(relevant) in input order, non-increasing along `permutation`; None
@@ -225,13 +240,15 @@ class Reranker:
         return None if self.calibrator is None else self.calibrator.probabilities(matrix, permutation)
 
     def assess(self, matrix: np.ndarray, trust: float | None = None, decoder: str | None = None, *,
-               first_stage_order: bool) -> Assessed:
+               first_stage_order: bool, reading_order: Sequence[int] | None = None) -> Assessed:
         """A query's score matrix -> its ranking: the last step every caller shares (`rank_assessed`, Serve's replicas):
-        decode -> calibrated relevance (where the model has a calibration) -> the confidence signals of this pass
-        (`agreement` only for a declared first-stage order)."""
+        decode (in the prompt's `reading_order`, where it read a set) -> calibrated relevance (where the model has a
+        calibration) -> the confidence signals of this pass (`agreement` only for a declared first-stage order)."""
+        read = np.arange(len(matrix)) if reading_order is None else np.asarray(reading_order)  # prompt row -> document
+        matrix = matrix[read]  # (n, K) rows in the order the prompt read them: every step below is the prompt's alone
         decoded = self.decode(matrix, decoder)
         rel = self.relevance(matrix, decoded.permutation)
-        docs = [RankedDocument(int(j), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
+        docs = [RankedDocument(int(read[j]), float(decoded.item_scores[j]), None if rel is None else float(rel[j]))
                 for j in decoded.permutation]
         return Assessed(docs, confidence(matrix, decoded.permutation, trust, first_stage_order=first_stage_order), trust)
 
@@ -239,14 +256,19 @@ class Reranker:
     def score_slates(self, slates: Sequence[RerankRequest], batch_size: int | None = None, *,
                      first_stage_order: bool = True) -> list[np.ndarray]:
         """Score matrices for many slates, `batch_size` per forward pass (evaluation). A slate's candidates are in
-        first-stage order (declared); `first_stage_order=False` reads them as a set (e.g. slates shuffled to measure)."""
+        first-stage order (declared); `first_stage_order=False` reads them as a set, as `encode` does (in their
+        canonical order; e.g. slates shuffled to measure)."""
         size = batch_size or self.batch_size
         matrices: list[np.ndarray] = []
         for start in range(0, len(slates), size):
-            prompts = [dataclasses.replace(self.encode_slate(s), first_stage_order=first_stage_order)
-                       for s in slates[start: start + size]]
-            matrices += self.score_encoded(prompts)
+            matrices += self.score_encoded([self.encode_slate(s) if first_stage_order else self._encode_set(s)
+                                            for s in slates[start: start + size]])
         return matrices
+
+    def _encode_set(self, slate: RerankRequest) -> EncodedPrompt:
+        order = CANONICAL.permutation(len(slate.candidates), slate.slate_id, [c.shown for c in slate.candidates])
+        prompt = self.encode_slate(reorder(slate, CANONICAL))
+        return dataclasses.replace(prompt, first_stage_order=False, reading_order=tuple(order))
 
     def rank(self, query: str, documents: Sequence[str], top_k: int | None = None,
              decoder: str | None = None, *, first_stage_order: bool = False) -> list[RankedDocument]:
@@ -275,10 +297,10 @@ class Reranker:
         out: dict[int, Assessed] = {}
         for start in range(0, len(short), size):
             chunk = short[start: start + size]
-            scored = self.score_with_trust([self.encode(queries[i], documents[i], first_stage_order=first_stage_order)
-                                            for i in chunk])
-            for i, (matrix, trust) in zip(chunk, scored):
-                out[i] = self.assess(matrix, trust, decoder, first_stage_order=first_stage_order)
+            prompts = [self.encode(queries[i], documents[i], first_stage_order=first_stage_order) for i in chunk]
+            for i, prompt, (matrix, trust) in zip(chunk, prompts, self.score_with_trust(prompts)):
+                out[i] = self.assess(matrix, trust, decoder, first_stage_order=first_stage_order,
+                                     reading_order=prompt.reading_order)
         if long:
             ranked = self.windowed_orders([queries[i] for i in long], [documents[i] for i in long], size, decoder,
                                           first_stage_order=first_stage_order)
@@ -292,9 +314,13 @@ class Reranker:
                         decoder: str | None = None, max_doc_tokens: int | None = None, *,
                         first_stage_order: bool) -> "Windowed":
         """Each query's order of all its documents, ranked window by window (see the module docstring). The windows
-        follow the input order (a declared one, or the order the set arrived in: only their scores ignore it)."""
+        follow the declared first-stage order, or a set's canonical order (`hllm.data.order`): then any arrival order
+        of the same documents gives the same windows and the same answer."""
         if self.window is None:
             raise ValueError("windowed ranking needs a window (Reranker(window=...))")
+        # a set is windowed in its canonical order; the orders come back as indices into the documents as given
+        reading = [list(range(len(d))) if first_stage_order else canonical_order(d) for d in documents]
+        documents = [[d[i] for i in r] for d, r in zip(documents, reading)]
         size = batch_size or self.batch_size
         tokens, truncated, shown, unknown = ([0] * len(queries) for _ in range(4))
         last: list[tuple[np.ndarray, np.ndarray, float | None] | None] = [None] * len(queries)  # each query's latest (top) window
@@ -311,14 +337,15 @@ class Reranker:
             for start in range(0, len(prompts), size):
                 scored += self.score_with_trust(prompts[start: start + size])
             perms = []
-            for (i, _), (matrix, trust) in zip(flat, scored):
-                perm = self.decode(matrix, decoder).permutation
+            for (i, _), prompt, (matrix, trust) in zip(flat, prompts, scored):
+                perm = self.decode(matrix, decoder, prompt.reading_order).permutation
                 last[i] = (matrix, perm, trust)  # rounds go bottom-up: the last one decides the top
                 perms.append(perm.tolist())
             return perms
 
         stride = self.stride or self.window // 2
         orders, windows = rank_in_windows([len(d) for d in documents], rank_windows, self.window, stride, self.windowing)
+        orders = [[r[j] for j in o] for r, o in zip(reading, orders)]
         return Windowed(orders, windows, tokens, truncated, [u / max(c, 1) for u, c in zip(unknown, shown)], unknown, shown,
                         [confidence(*window, first_stage_order=first_stage_order) for window in last], [window[2] for window in last])
 

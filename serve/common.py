@@ -437,7 +437,8 @@ class Answerer:
         matrix, trust, batch_size, forward_ms = await self.forward(served, prompt)
         t_fwd = time.perf_counter()
         # the front door's last step: one path to a ranking
-        assessed = reranker.assess(matrix, trust, decoder, first_stage_order=body.first_stage_order)
+        assessed = reranker.assess(matrix, trust, decoder, first_stage_order=body.first_stage_order,
+                                   reading_order=prompt.reading_order)
         t_dec = time.perf_counter()
         calibrated = not body.raw_scores and reranker.calibrator is not None
         results = [RerankResult(index=d.index, relevance_score=d.relevance if calibrated else d.score, rank=r + 1,

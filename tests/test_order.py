@@ -109,6 +109,57 @@ def test_reranker_declares_nothing_by_default_and_a_declared_order_reads_the_pri
     assert [d.index for d in reranker.rank("red boots", docs)] == [d.index for d in free.documents]
 
 
+def test_a_set_is_read_in_one_canonical_order_whatever_order_it_arrives_in():
+    from hllm.data.order import CANONICAL, canonical_order
+
+    texts = ["red boots", "blue shirt", "red boots", "wool scarf", "green bag"]
+    order = canonical_order(texts)
+    assert sorted(order) == list(range(5)) and order.index(0) < order.index(2)  # identical texts: as given
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        perm = rng.permutation(5)
+        moved = [texts[i] for i in perm]
+        assert [moved[i] for i in canonical_order(moved)] == [texts[i] for i in order]  # the same prompt order
+    assert InputOrder.parse("canonical") == CANONICAL and not CANONICAL.declared
+    with pytest.raises(ValueError, match="texts"):
+        CANONICAL.permutation(5, "q")
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_an_undeclared_list_gets_the_same_answer_in_any_arrival_order(tiny_backbone, window):
+    """Undeclared, every arrival order of the same documents gives the same prompt (the canonical order), so the same
+    ranking, scores, relevance and confidence, exactly — in one pass and in windows, even for a head whose scores tie
+    (an untrained one). Declared, the order is read: the first stage's ranks move the answer."""
+    from hllm.model.calibration import fit_calibrator
+    from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+
+    torch.manual_seed(0)
+    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(mode="frozen"), head=HeadConfig(
+        kind="utility", positions=4, prior="logrank")))
+    docs = ["acme red boots", "blue shirt", "green canvas backpack", "nordic leather boots", "wool scarf",
+            "red boots on sale", "a boots catalogue", "socks", "boot polish"]
+    rng = np.random.default_rng(1)
+    perms = [np.arange(len(docs))] + [rng.permutation(len(docs)) for _ in range(4)]
+    for trained in (False, True):
+        if trained:
+            with torch.no_grad():
+                ranker.head.residual.net.weight.normal_(0, 10.0)
+        reranker = Reranker(ranker, window=window)
+        rng_c = np.random.default_rng(2)  # relevance too: a calibration fitted on random matrices
+        reranker.calibrator = fit_calibrator([rng_c.normal(size=(6, 4)) for _ in range(8)], [list(range(6))] * 8,
+                                             [[3, 0, 2, 0, 0, 1]] * 8, rel=2)
+        answers = []
+        for perm in perms:
+            moved = [docs[i] for i in perm]
+            (a,) = reranker.rank_assessed(["red boots"], [moved])
+            answers.append(([moved[d.index] for d in a.documents], [(d.score, d.relevance) for d in a.documents],
+                            a.confidence.as_dict()))
+        assert all(x == answers[0] for x in answers[1:]), trained
+    declared = [[docs[i] for i in perm][d.index] for perm in perms[:2]
+                for d in Reranker(ranker, window=window).rank("red boots", [docs[i] for i in perm], first_stage_order=True)]
+    assert declared[: len(docs)] != declared[len(docs):]
+
+
 def test_hllm_rerank_hands_the_candidates_over_in_the_order_asked_and_maps_them_back(tmp_path, capsys, tiny_backbone):
     from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 
@@ -174,13 +225,16 @@ def test_the_order_recipe_measures_refits_and_reships_a_probe_at_tiny_scale(tmp_
     realtext(rt)
     teacher = _teacher_run(a, tmp_path / "teacher.trec")
     shutil.copytree(tmp_path / "student", tmp_path / "distilled")
+    recorded = tmp_path / "real_data.csv"  # the figures as recorded before, and a row the input-order rows must keep
+    recorded.write_text("collection,queries,split,method,nDCG@10,MRR@10,teacher,tau_to_teacher,share_kept,share_kept_ci95\n"
+                        f"{b.name},6,cross-year,student,0.5,0.5,,,,\n{a.name},9,teacher-folds,teacher,0.9,0.9,t,1.0,,\n")
     cfg = load_config(OrderConfig, None, [
-        *base, f"output_dir={tmp_path / 'order'}", f"collections=[{a}, {b}]", "orders=[first-stage, shuffled:0, shuffled:1]",
+        *base, f"output_dir={tmp_path / 'order'}", f"collections=[{a}, {b}]", "orders=[first-stage, shuffled:0, shuffled:1, canonical]",
         f"extra=[{b}@reversed]", f"train_on={a}", f"test_on={b}", "shuffles=[shuffled:0, shuffled:1]", "cv_folds=2", "folds=2",
-        "bootstrap=50", "rel=2", f"report_to={tmp_path / 'order.md'}",
+        "bootstrap=50", "rel=2", f"report_to={tmp_path / 'order.md'}", f"recorded_in={recorded}",
         "augmentations={first-stage only: [first-stage], first-stage + shuffles: [first-stage, shuffled:0, shuffled:1]}",
         f"students=[{{name: probe, folder: {tmp_path / 'student'}, target: judgments, ridge_lambdas: [1.0, 100.0], "
-        f"prior_scales: [0.5, 2.0], ship_on: [{a}, {b}]}}, {{name: distilled, folder: {tmp_path / 'distilled'}, "
+        f"prior_scales: [0.5, 2.0], ship_on: [{a}, {b}], recorded: cross-year/student}}, {{name: distilled, folder: {tmp_path / 'distilled'}, "
         f"target: teacher, teacher_rankings: {teacher}, teacher_depth: 5, ridge_lambdas: [1.0, 100.0], "
         f"prior_scales: [0.5], ship_on: [{a}], calibrate: true, cascade_from: out-of-fold}}]"])
     cfg.ranker.model = TINY
@@ -190,29 +244,61 @@ def test_the_order_recipe_measures_refits_and_reships_a_probe_at_tiny_scale(tmp_
         assert re.search(rf"^shuffled input, {name}: \d\.\d{{4}} \| first stage \d\.\d{{4}} \| declared order \d\.\d{{4}}$", lines, re.M)
         assert re.search(rf"^order spread, {name}: \d\.\d{{4}}$", lines, re.M)
     probe, distilled = report["students"]
+    assert probe["recorded"]["nDCG@10"] == 0.5 and distilled["recorded"] is None
+    # the report: the goals against the recorded figure, each student's table by input order, the ablation, the bound
+    goals = re.search(r"^\| probe \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| [^|]+ \|$", lines, re.M)
+    assert goals and goals[7] == "0.4950" and goals[3] in ("yes", "**no**") and goals[4] == "0.0000" and goals[5] == "yes"
+    for part in ("## probe", "## distilled", "| reversed |", "| first-stage only / declared |", "In-sample bound"):
+        assert part in lines
     assert set(probe["variants"]) == {"first-stage only / text", "first-stage only / declared", "first-stage + shuffles / text"}
     cross = probe["variants"][probe["chosen"]]["cross_year"]
-    assert {"reversed (the order itself)", "reversed, undeclared", "first-stage, declared", "first stage"} <= set(cross)
+    assert {"reversed (the order itself)", "reversed, as served", "reversed, read as it arrived", "first-stage, declared",
+            "first stage", "first-stage, as served"} <= set(cross)
+    # as served, every arrival order is read in the canonical order: one answer, no spread; read as they arrived, not so
+    served = cross["shuffled, as served (mean of the shuffles)"]
+    assert served["spread"] == 0 and cross["reversed, as served"]["nDCG@10"] == served["nDCG@10"] == \
+        cross["first-stage, as served"]["nDCG@10"]
     assert cross["first stage"]["queries"] == 6 and cross["first stage"]["ci95"][0] <= cross["first stage"]["nDCG@10"]
     # re-shipped: the card gives both figures, provenance says what made it and what it was made from
     shipped = Reranker.load(tmp_path / "student")
     figures = shipped.card.figures["input_order"]
-    assert figures["shuffled_input_nDCG@10"] == cross["shuffled, undeclared (mean of the shuffles)"]["nDCG@10"]
+    assert figures["shuffled_input_nDCG@10"] == served["nDCG@10"]
     assert figures["declared_order_nDCG@10"] == cross["first-stage, declared"]["nDCG@10"] and "declared" in shipped.card.input
     provenance = json.loads((tmp_path / "student" / "provenance.json").read_text())
     assert "hllm.recipes.order" in provenance["made_by"] and "hllm.recipes.realtext" in provenance["refined_from"]["made_by"]
     assert (tmp_path / "distilled" / "calibration.json").is_file() and "out of fold" in \
         Reranker.load(tmp_path / "distilled").cascade_thresholds.fitted_on["source"]
-    # the served path (a prompt per request, no declared order) ranks a shuffled list as the recipe did from its states
+    # benchmarks/real_data.py takes the run's rows (split input-order) beside the rows already there
+    import csv
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "benchmarks/real_data.py", "--input-order", cfg.output_dir, "--out", str(recorded)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with recorded.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["split"], r["input_order"]) for r in rows[:2]] == [("cross-year", "first-stage"), ("teacher-folds", "first-stage")]
+    ordered = {(r["method"], r["input_order"], r["order_declared"]): float(r["nDCG@10"]) for r in rows if r["split"] == "input-order"}
+    assert ordered[("probe", "shuffled (mean of 2)", "no")] == round(served["nDCG@10"], 4)
+    assert ordered[("probe", "reversed", "no, read as it arrived")] == round(cross["reversed, read as it arrived"]["nDCG@10"], 4)
+    assert ordered[("first_stage", "reversed", "")] == round(cross["reversed (the order itself)"]["nDCG@10"], 4)
+    assert ("probe (first-stage only / declared)", "first-stage", "yes") in ordered
+    assert "## Input order" in recorded.with_suffix(".md").read_text()
+    # the served path (a prompt per request, no declared order) reads any shuffle of a list in its canonical order: it
+    # ranks each shuffle as the recipe ranked the canonical order's cached states, document for document
+    from hllm.data.order import CANONICAL
     from hllm.recipes.order import OrderedStates
     from hllm.train.head_fit import StateSlate, state_orders
 
     data = OrderedStates(cfg, shipped.model)
-    order = InputOrder.parse("shuffled:1")
-    items = data.items(str(b), order)
-    served = shipped.rank_batch([i.slate.query.text for i in items], [[c.text for c in i.slate.candidates] for i in items])
-    assert [[d.index for d in r] for r in served] == state_orders(shipped.model, [StateSlate(i.slate, i.states) for i in items],
-                                                                  first_stage_order=False)
+    canonical = data.items(str(b), CANONICAL)
+    from_states = [[i.slate.candidates[j].docid for j in o] for i, o in zip(canonical, state_orders(
+        shipped.model, [StateSlate(i.slate, i.states) for i in canonical], first_stage_order=False))]
+    for order in ("shuffled:1", "reversed"):
+        items = data.items(str(b), InputOrder.parse(order))
+        served = shipped.rank_batch([i.slate.query.text for i in items], [[c.text for c in i.slate.candidates] for i in items])
+        assert [[i.slate.candidates[d.index].docid for d in r] for i, r in zip(items, served)] == from_states
 
 
 def test_augmented_training_examples_keep_the_teachers_ranking_with_its_documents(small_splits, tiny_backbone):

@@ -35,7 +35,8 @@ def test_an_untrained_prior_head_returns_the_input_order_exactly(prior, kind, k,
     for slate, matrix in zip(slates, reranker.score_slates(slates)):
         assert reranker.decode(matrix).permutation.tolist() == list(range(len(slate.candidates)))
     long = [f"document {i}" for i in range(30)]  # N > K, and windows: still the input order
-    assert [d.index for d in Reranker(build(prior=prior, kind=kind, k=k), window=8, stride=4).rank("q", long)] == list(range(30))
+    assert [d.index for d in Reranker(build(prior=prior, kind=kind, k=k), window=8, stride=4).rank(
+        "q", long, first_stage_order=True)] == list(range(30))
 
 
 def test_the_rank_prior_has_the_input_order_as_its_unique_optimum():

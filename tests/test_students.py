@@ -138,7 +138,7 @@ def test_a_request_is_answered_by_the_student_it_names(many, fleet, registry):
     out = other.json()
     assert out["meta"]["first_stage_order"] is True and default.json()["meta"]["first_stage_order"] is False  # routed on
     assert out["model"] == "other" and out["meta"]["model_version"].startswith(str(fleet["other"]))
-    expected = [d.index for d in Reranker.load(fleet["other"]).rank("red boots", DOCS[:5], top_k=2)]
+    expected = [d.index for d in Reranker.load(fleet["other"]).rank("red boots", DOCS[:5], top_k=2, first_stage_order=True)]
     assert [r["index"] for r in out["results"]] == expected and len(out["results"]) == 2
     assert all(r["document"]["text"] == DOCS[r["index"]] for r in out["results"])
     by_version = post("/many", model=f"fleet/{versions['wrong']}", query="red boots", documents=DOCS[:5]).json()

@@ -31,7 +31,7 @@ def test_job_runs_and_resumes(tmp_path):
     assert set(report.latency) == {"tokenize", "bare_prefill", "single_pass", "ar_teacher"}
     lines = summary_lines(report, "hungarian")
     assert len(lines) == 7 and lines[-1].startswith("relevance_score calibration on 36 test items")
-    assert lines[1].startswith("the same test queries shuffled (shuffled:0, no order declared): the shuffled order itself ")
+    assert lines[1].startswith("the same test queries shuffled (shuffled:0, no order declared: read as a set): the shuffled order itself ")
     assert 0 <= report.shuffled["student"]["nDCG@10"] <= 1 and 0 <= report.shuffled["input"]["nDCG@10"] <= 1
     assert (tmp_path / "student" / "calibration.json").exists() and 0 <= report.calibration["ece"] <= 1
     thresholds = Reranker.load(tmp_path / "student").cascade_thresholds  # the cascade's, from the val split

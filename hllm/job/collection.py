@@ -129,7 +129,8 @@ class ShardRanker:
         from hllm.data.order import InputOrder
 
         order = InputOrder.parse(self.spec.input_order)
-        perms = [order.permutation(len(s.candidates), s.slate_id) for s in slates]  # new position -> first-stage index
+        perms = [order.permutation(len(s.candidates), s.slate_id, [c.shown for c in s.candidates])
+                 for s in slates]  # new position -> first-stage index
         orders, stats, notes = self._rank_as_given([reorder(s, order) for s in slates])
         return [[perm[j] for j in o] for perm, o in zip(perms, orders)], stats, notes
 

@@ -384,11 +384,12 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
     `fit_key` is what else changes the result (e.g. DeepSpeed settings)."""
     out = Path(cfg.output_dir) / "student"
     rcfg = student_ranker_config(cfg, teacher_model)
-    key = fingerprint(rcfg, cfg.student.train, cfg.student.loss, train.key, fit_key)
+    key = fingerprint(rcfg, cfg.student.train, cfg.student.loss, cfg.student.train_orders, train.key, fit_key)
     if stage_done(out, key):
         log.info("student: reusing %s", out)
     else:
         check_teacher(train, cfg.student, cfg.teacher.bootstrap)
+        shutil.rmtree(out, ignore_errors=True)  # a stale calibration or cascade must not outlive its student
         summary = fit(rcfg, train, val, out)
         write_model_card(out, job_model_card(cfg, rcfg, train, summary))
         mark_done(out, key, **summary)
@@ -610,7 +611,7 @@ def summary_lines(report: EvalReport, main_decoder: str) -> list[str]:
     return [
         f"nDCG@10 over {report.test_slates} test queries: first stage {report.first_stage['nDCG@10']:.4f} | "
         f"teacher {t['nDCG@10']:.4f} | student ({main_decoder}) {s['nDCG@10']:.4f}",
-        f"the same test queries shuffled ({SHUFFLED}, no order declared): the shuffled order itself "
+        f"the same test queries shuffled ({SHUFFLED}, no order declared: read as a set): the shuffled order itself "
         f"{report.shuffled['input']['nDCG@10']:.4f} | student {report.shuffled['student']['nDCG@10']:.4f}",
         f"student vs teacher: Kendall tau {s['kendall_tau']:.3f}, top-1 agreement {s['top1_agreement']:.3f} | "
         f"teacher vs first stage: {t['same_as_input']:.1%} of answers identical, Kendall tau {t['tau_to_input']:.3f}",

@@ -93,6 +93,9 @@ class EncodedPrompt:
     # whether the documents' order is a declared first-stage ranking (best first), which a head's prior may read;
     # a slate (`encode`) is one by definition, a request's documents are a set unless its caller says so
     first_stage_order: bool = True
+    # a set read in its canonical order (`hllm.data.order.canonical_order`): the documents' indices in prompt order,
+    # so the prompt's rows map back to the documents as given; None: the prompt reads them as given
+    reading_order: tuple[int, ...] | None = None
 
 
 UNKNOWN_TOKEN_WARNING = 0.1  # warn when more of the shown tokens than this are outside the model's vocabulary
@@ -225,8 +228,8 @@ def answer_chars(n: int) -> int:
 
 
 def document_text(candidate: Candidate) -> str:
-    """What the prompt shows of a candidate: `title: text`, or the text alone."""
-    return f"{candidate.title}: {candidate.text}" if candidate.title else candidate.text
+    """What the prompt shows of a candidate (`Candidate.shown`)."""
+    return candidate.shown
 
 
 def collate(prompts: list[EncodedPrompt], pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:

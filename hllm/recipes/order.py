@@ -23,6 +23,7 @@ way, the model card giving both figures. Writes `report.json` and `report_to` (m
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import logging
@@ -34,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from hllm.config import to_dict
-from hllm.data.order import FIRST_STAGE, InputOrder, reorder
+from hllm.data.order import CANONICAL, FIRST_STAGE, InputOrder, reorder
 from hllm.data.readers import read_slates
 from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query
 from hllm.job.config import recipe_config, start_recipe
@@ -69,6 +70,9 @@ class StudentSpec:
     ship_on: list[str] = field(default_factory=list)  # the collections the shipped head is fitted on
     calibrate: bool = False  # calibration.json from out-of-fold matrices of train_on's folds
     cascade_from: Literal["in-sample", "out-of-fold"] = "in-sample"  # cascade.json's queries
+    # its cross-year figure on test_on before this recipe (first-stage order, declared): the row of the config's
+    # `recorded_in` CSV with this split and method (and teacher, after a "/"), e.g. "cross-year/student_distilled/rankvicuna-7b"
+    recorded: str | None = None
 
     def __post_init__(self) -> None:
         if (self.target == "teacher") != (self.teacher_rankings is not None):
@@ -102,6 +106,7 @@ class OrderConfig:
     bootstrap: int = 2000
     seed: int = 0
     ship: bool = True  # re-make each student's folder (hllm/assets/NAME) with the chosen augmentation
+    recorded_in: str | None = "reports/real_data.csv"  # where each student's `recorded` figure is read
     report_to: str | None = "reports/order.md"
 
     def __post_init__(self) -> None:
@@ -136,11 +141,30 @@ class OrderedStates:
             name = collection_name(path)
             directory = Path(self.cfg.output_dir) / "states" / f"{name}-{order.kind}{order.seed if order.kind == 'shuffled' else ''}-{states_key(self.ranker.cfg, slates)}"
             t0 = time.perf_counter()
-            states = cached_states(self.ranker, slates, directory, self.cfg.shard_slates, progress=lambda done, total, s: log.info(
-                "  %s %s: %d/%d state shards (%.0fs)", name, order, done, total, s))
-            log.info("%s in %s order: %d queries, states ready in %.0fs", name, order, len(slates), time.perf_counter() - t0)
+            computed: list[int] = []
+
+            def progress(done: int, total: int, seconds: float) -> None:
+                computed.append(done)
+                log.info("  %s %s: %d/%d state shards (%.0fs)", name, order, done, total, seconds)
+
+            states = cached_states(self.ranker, slates, directory, self.cfg.shard_slates, progress=progress)
+            seconds = time.perf_counter() - t0
+            log.info("%s in %s order: %d queries, states ready in %.0fs", name, order, len(slates), seconds)
+            if computed:  # what computing them cost, kept for the report (a later run reads them from the cache)
+                record_seconds(Path(self.cfg.output_dir) / "states" / SECONDS_FILE, directory.name, len(slates), len(computed), seconds)
             self._items[path, order] = [StateSlate(s, x) for s, x in zip(slates, states)]
         return self._items[path, order]
+
+
+SECONDS_FILE = "seconds.json"
+
+
+def record_seconds(path: Path, folder: str, prompts: int, shards: int, seconds: float) -> None:
+    """Adds what one states folder's computation cost to `path` ({folder: {prompts, shards, seconds}}), summed over resumes."""
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    old = table.get(folder, {"shards": 0, "seconds": 0.0})
+    table[folder] = {"prompts": prompts, "shards": old["shards"] + shards, "seconds": old["seconds"] + seconds}
+    path.write_text(json.dumps(table, indent=2))
 
 
 def compute_all(cfg: OrderConfig, data: OrderedStates) -> None:
@@ -287,9 +311,31 @@ def ci(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
     return float(out.confidence_interval.low), float(out.confidence_interval.high)
 
 
+SERVED = "shuffled, as served"  # undeclared: read in the canonical order, whatever the arrival order
+ARRIVED = "shuffled, read as they arrived"  # the ablation: each shuffle's causal prompt in its own order
+
+
+def served_orders(fitter: Fitter, path: str, index: list[int], order: InputOrder) -> list[list[int]]:
+    """The queries `index` of `path` arriving in `order`, undeclared, as the served path ranks them: each list read in
+    its canonical order (one prompt per set: the canonical order's cached states) -> orders as indices into the list as
+    it arrived. Checks that the list's canonical order is the cached one, document for document."""
+    canonical = [fitter.views.items(path, CANONICAL)[i] for i in index]
+    ranked = fitter.ranked(canonical, False)[1]
+    out = []
+    for i, c, o in zip(index, canonical, ranked):
+        arrived = fitter.views.items(path, order)[i].slate
+        if [d.docid for d in reorder(arrived, CANONICAL).candidates] != [d.docid for d in c.slate.candidates]:
+            raise RuntimeError(f"{collection_name(path)} {arrived.slate_id}: its {order} list reads in another canonical order")
+        where = {d.docid: k for k, d in enumerate(arrived.candidates)}
+        out.append([where[c.slate.candidates[j].docid] for j in o])
+    return out
+
+
 def robustness(fitter: Fitter, path: str, index: list[int], orders: list[InputOrder], cfg: OrderConfig) -> dict[str, Any]:
-    """The fitted student on the queries `index` of `path`: per order its nDCG@10 (undeclared, and the first stage's
-    declared too), the first stage's own, each with its bootstrap interval; the mean and spread over the shuffles."""
+    """The fitted student on the queries `index` of `path`, each figure with its bootstrap interval: the first stage's
+    own; the first stage's order declared; undeclared as served (every order read in its canonical order), per order
+    and over the shuffles (mean, spread); and, for the ablation, each order read as it arrived (the causal prompt in
+    the arrival order, what the reading in the canonical order replaces)."""
     first_items = [fitter.views.items(path, FIRST_STAGE)[i] for i in index]
     rows: dict[str, Any] = {}
 
@@ -297,17 +343,27 @@ def robustness(fitter: Fitter, path: str, index: list[int], orders: list[InputOr
         lo, hi = ci(values, cfg.bootstrap, cfg.seed)
         return {"nDCG@10": float(values.mean()), "ci95": [lo, hi], "queries": len(values)}
 
-    rows["first stage"] = row(ndcg_by_query(first_items, [list(range(len(i.slate.candidates))) for i in first_items], cfg.rel))
+    def itself(items: list[StateSlate]) -> np.ndarray:
+        return ndcg_by_query(items, [list(range(len(i.slate.candidates))) for i in items], cfg.rel)
+
+    def served(order: InputOrder) -> np.ndarray:
+        items = [fitter.views.items(path, order)[i] for i in index]
+        return ndcg_by_query(items, served_orders(fitter, path, index, order), cfg.rel)
+
+    rows["first stage"] = row(itself(first_items))
     rows["first-stage, declared"] = row(fitter.score(path, index, FIRST_STAGE, True))
-    rows["first-stage, undeclared"] = row(fitter.score(path, index, FIRST_STAGE, False))
+    rows["first-stage, as served"] = row(served(FIRST_STAGE))
+    rows["first-stage, read as it arrived"] = row(fitter.score(path, index, FIRST_STAGE, False))
     for order in orders:
-        if order != FIRST_STAGE:
-            items = [fitter.views.items(path, order)[i] for i in index]
-            rows[f"{order} (the order itself)"] = row(ndcg_by_query(items, [list(range(len(i.slate.candidates))) for i in items], cfg.rel))
-            rows[f"{order}, undeclared"] = row(fitter.score(path, index, order, False))
-    shuffled = [rows[f"{o}, undeclared"]["nDCG@10"] for o in fitter.shuffles]
-    per_query = np.mean([fitter.score(path, index, o, False) for o in fitter.shuffles], axis=0)  # (queries,)
-    rows["shuffled, undeclared (mean of the shuffles)"] = {**row(per_query), "spread": max(shuffled) - min(shuffled)}
+        if order not in (FIRST_STAGE, CANONICAL):
+            rows[f"{order} (the order itself)"] = row(itself([fitter.views.items(path, order)[i] for i in index]))
+            rows[f"{order}, as served"] = row(served(order))
+            rows[f"{order}, read as it arrived"] = row(fitter.score(path, index, order, False))
+    for name, how in ((SERVED, "as served"), (ARRIVED, "read as it arrived")):
+        figures = [rows[f"{o}, {how}"]["nDCG@10"] for o in fitter.shuffles]
+        per_query = np.mean([served(o) if how == "as served" else fitter.score(path, index, o, False)
+                             for o in fitter.shuffles], axis=0)  # (queries,)
+        rows[f"{name} (mean of the shuffles)"] = {**row(per_query), "spread": max(figures) - min(figures)}
     return rows
 
 
@@ -319,6 +375,20 @@ def available(data: OrderedStates, path: str, cfg: OrderConfig) -> list[InputOrd
 
 
 RULES = {"text": "L2 by the undeclared CV score, prior scale by the declared", "declared": "both by the declared CV score (as shipped before)"}
+
+
+def recorded_figure(cfg: OrderConfig, spec: StudentSpec) -> dict[str, Any] | None:
+    """The student's cross-year nDCG@10 on test_on as recorded before this recipe (`spec.recorded` in `cfg.recorded_in`)."""
+    if not (spec.recorded and cfg.recorded_in):
+        return None
+    split, method, teacher = (spec.recorded.split("/") + [""])[:3]
+    want = {"collection": collection_name(cfg.test_on), "split": split, "method": method, "teacher": teacher}
+    with open(cfg.recorded_in, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if all((r.get(k) or "") == v for k, v in want.items())]
+    if len(rows) != 1:
+        raise ValueError(f"student {spec.name}: {len(rows)} rows of {cfg.recorded_in} match {want} (want one)")
+    return {"nDCG@10": float(rows[0]["nDCG@10"]), "queries": int(rows[0]["queries"]),
+            "source": f"{cfg.recorded_in}: " + ", ".join(v for v in want.values() if v)}
 
 
 def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> dict[str, Any]:
@@ -333,13 +403,13 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
     ids = [s.slate_id for s in data.slates(cfg.train_on)]
     outer = query_folds(n_train, ids, cfg.folds, FOLD_SALT)
     variants = [(a, r) for a in cfg.augmentations for r in (("text", "declared") if len(cfg.augmentations[a]) == 1 else ("text",))]
-    out: dict[str, Any] = {"student": spec.name, "variants": {}}
+    out: dict[str, Any] = {"student": spec.name, "variants": {}, "recorded": recorded_figure(cfg, spec)}
     guard = getattr(student.head, "guard", None) is not None
     for aug, rule in variants:
         key = f"{aug} / {rule}"
         t0 = time.perf_counter()
         oof_matrices: dict[str, list] = {}
-        oof = {"first stage": [], "declared": [], "undeclared": []}
+        oof = {"first stage": [], "declared": [], "as served": [], "read as it arrived": []}
         for f, (train, held) in enumerate(outer):
             choice = fitter.choose(cfg.train_on, train, aug, rule)
             fitter.fit(fitter.training(cfg.train_on, train, aug), choice)
@@ -348,7 +418,9 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
             first = [views.items(cfg.train_on, FIRST_STAGE)[i] for i in held]
             oof["first stage"].append(ndcg_by_query(first, [list(range(len(i.slate.candidates))) for i in first], cfg.rel))
             oof["declared"].append(fitter.score(cfg.train_on, held, FIRST_STAGE, True))
-            oof["undeclared"].append(np.mean([fitter.score(cfg.train_on, held, o, False) for o in fitter.shuffles], axis=0))
+            served = [views.items(cfg.train_on, CANONICAL)[i] for i in held]  # any arrival order reads as this
+            oof["as served"].append(ndcg_by_query(served, fitter.ranked(served, False)[1], cfg.rel))
+            oof["read as it arrived"].append(np.mean([fitter.score(cfg.train_on, held, o, False) for o in fitter.shuffles], axis=0))
             for order, declared in [(FIRST_STAGE, True)] + [(o, False) for o in fitter.shuffles]:
                 items = [views.items(cfg.train_on, order)[i] for i in held]
                 mats, orders = fitter.ranked(items, declared)
@@ -366,10 +438,11 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
             "seconds": time.perf_counter() - t0}
         out["variants"][key]["_oof_matrices"] = oof_matrices
         log.info("%s, %s: CV undeclared %.4f declared %.4f (L2 %g, prior %g) | out of fold: first stage %.4f, declared %.4f, "
-                 "undeclared %.4f | cross-year: shuffled %.4f (spread %.4f), declared %.4f, first stage %.4f (%.0fs)",
+                 "as served %.4f, read as it arrived %.4f | cross-year: shuffled as served %.4f (spread %.4f), read as they "
+                 "arrived %.4f (spread %.4f), declared %.4f, first stage %.4f (%.0fs)",
                  spec.name, key, choice.cv_undeclared, choice.cv_declared, choice.ridge_lambda, choice.prior_scale,
-                 *(out["variants"][key]["out_of_fold"][k] for k in ("first stage", "declared", "undeclared")),
-                 cross["shuffled, undeclared (mean of the shuffles)"]["nDCG@10"], cross["shuffled, undeclared (mean of the shuffles)"]["spread"],
+                 *(out["variants"][key]["out_of_fold"][k] for k in ("first stage", "declared", "as served", "read as it arrived")),
+                 *(cross[f"{name} (mean of the shuffles)"][k] for name in (SERVED, ARRIVED) for k in ("nDCG@10", "spread")),
                  cross["first-stage, declared"]["nDCG@10"], cross["first stage"]["nDCG@10"], time.perf_counter() - t0)
     # the shipped choice, on training-query CV alone: the best undeclared CV score among the augmentations whose declared
     # CV score stays within 0.005 of the students as shipped before (first stage only, declared rule)
@@ -378,13 +451,19 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
     chosen = max(eligible, key=lambda k: out["variants"][k]["choice"]["cv_undeclared"])
     out["chosen"] = chosen
     out["before"] = f"{next(iter(cfg.augmentations))} / declared"
-    # what limits it: the probe fitted on test_on's own shuffled lists, scored on them (in sample: an upper bound)
+    # what limits it: the probe fitted on test_on's own lists in the chosen orders, scored on them as served (in sample,
+    # every L2 of the grid: the most a linear read-out of these frozen states reaches on these very lists)
     v = out["variants"][chosen]
-    c = Choice(**v["choice"])
-    fitter.fit(fitter.training(cfg.test_on, test_all, v["augmentation"]), c)
-    out["in_sample_bound"] = {"what": f"fitted on every {collection_name(cfg.test_on)} query in the orders of {v['augmentation']!r} "
-                                      f"(L2 {c.ridge_lambda:g}), scored on the same queries' shuffles, undeclared",
-                              "nDCG@10": float(np.mean([fitter.score(cfg.test_on, test_all, o, False).mean() for o in fitter.shuffles]))}
+    canonical = [views.items(cfg.test_on, CANONICAL)[i] for i in test_all]
+    bound = {}
+    for lam in spec.ridge_lambdas:
+        fitter.fit(fitter.training(cfg.test_on, test_all, v["augmentation"]), Choice(**{**v["choice"], "ridge_lambda": lam}))
+        bound[lam] = float(ndcg_by_query(canonical, fitter.ranked(canonical, False)[1], cfg.rel).mean())
+    best = max(bound, key=bound.get)
+    out["in_sample_bound"] = {"what": f"fitted on every {collection_name(cfg.test_on)} query in the orders of {v['augmentation']!r}, "
+                                      "scored on the same queries as served (undeclared), the best L2 of the grid "
+                                      f"({best:g}; by L2: " + ", ".join(f"{k:g} {x:.4f}" for k, x in bound.items()) + ")",
+                              "nDCG@10": bound[best]}
     if cfg.ship:
         out["shipped"] = ship(cfg, spec, fitter, out)
     for v in out["variants"].values():
@@ -427,12 +506,16 @@ def ship(cfg: OrderConfig, spec: StudentSpec, fitter: Fitter, out: dict[str, Any
     cross = v["cross_year"]
     figures = {"trained_on": collection_name(cfg.train_on), "measured_on": collection_name(cfg.test_on),
                "queries": cross["first stage"]["queries"],
-               "shuffled_input_nDCG@10": cross["shuffled, undeclared (mean of the shuffles)"]["nDCG@10"],
-               "shuffled_input_spread": cross["shuffled, undeclared (mean of the shuffles)"]["spread"],
+               "shuffled_input_nDCG@10": cross[f"{SERVED} (mean of the shuffles)"]["nDCG@10"],
+               "shuffled_input_spread": cross[f"{SERVED} (mean of the shuffles)"]["spread"],
+               "read_as_arrived_nDCG@10": cross[f"{ARRIVED} (mean of the shuffles)"]["nDCG@10"],
+               "read_as_arrived_spread": cross[f"{ARRIVED} (mean of the shuffles)"]["spread"],
                "declared_order_nDCG@10": cross["first-stage, declared"]["nDCG@10"],
                "first_stage_nDCG@10": cross["first stage"]["nDCG@10"],
                "what": "cross-year: the same recipe fitted on the training year only, measured on the test year's BM25 top "
-                       f"{cfg.top_n}; shuffled input = mean over {len(cfg.shuffles)} fixed shuffles per query, no order declared"}
+                       f"{cfg.top_n}; shuffled input = mean over {len(cfg.shuffles)} fixed shuffles per query, no order declared "
+                       "(each read in its canonical order, as served); read as arrived = the same shuffles' prompts in their "
+                       "own order (the ablation)"}
     card = read_model_card(folder)
     kept = {k: v for k, v in card.figures.items() if k not in STALE}
     figures_now = {**kept, "fit": {"method": "ridge probe (closed form)", "l2": choice.ridge_lambda, "prior_scale": choice.prior_scale,
@@ -468,7 +551,12 @@ def run(cfg: OrderConfig) -> dict[str, Any]:
     ranker = start_recipe(cfg)
     data = OrderedStates(cfg, ranker)
     compute_all(cfg, data)
-    report = {"config": to_dict(cfg), "students": [student_report(cfg, spec, data) for spec in cfg.students]}
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"config": to_dict(cfg), "date": time.strftime("%Y-%m-%d"),
+                              "students": [student_report(cfg, spec, data) for spec in cfg.students]}
+    report["seconds"] = time.perf_counter() - t0
+    seconds_file = Path(cfg.output_dir) / "states" / SECONDS_FILE
+    report["states_seconds"] = json.loads(seconds_file.read_text()) if seconds_file.is_file() else {}
     (Path(cfg.output_dir) / "report.json").write_text(json.dumps(report, indent=2))
     if cfg.report_to:
         Path(cfg.report_to).write_text(markdown(cfg, report))
@@ -485,11 +573,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def headline(report: dict[str, Any]) -> list[str]:
-    """The issue's lines, one pair per student: its shipped choice, cross-year."""
+    """The issue's lines, one pair per student: its shipped choice, cross-year, as served."""
     lines = []
     for st in report["students"]:
         cross = st["variants"][st["chosen"]]["cross_year"]
-        shuffled = cross["shuffled, undeclared (mean of the shuffles)"]
+        shuffled = cross[f"{SERVED} (mean of the shuffles)"]
         lines.append(f"shuffled input, {st['student']}: {shuffled['nDCG@10']:.4f} | first stage {cross['first stage']['nDCG@10']:.4f} "
                      f"| declared order {cross['first-stage, declared']['nDCG@10']:.4f}")
         lines.append(f"order spread, {st['student']}: {shuffled['spread']:.4f}")
@@ -497,7 +585,115 @@ def headline(report: dict[str, Any]) -> list[str]:
 
 
 def markdown(cfg: OrderConfig, report: dict[str, Any]) -> str:
-    return "\n".join(headline(report)) + "\n"
+    """reports/order.md: the issue's lines, the goals met or not, per student the shipped variant's figures by input
+    order, the ablation over every variant, what limits it; how the states were made and what they cost."""
+    train, test = collection_name(cfg.train_on), collection_name(cfg.test_on)
+    r = cfg.ranker
+    f4 = lambda x: f"{x:.4f}"  # noqa: E731
+    cell = lambda row: f"{row['nDCG@10']:.4f} [{row['ci95'][0]:.4f}, {row['ci95'][1]:.4f}]"  # noqa: E731
+    yes = lambda ok: "yes" if ok else "**no**"  # noqa: E731
+    seconds = report.get("states_seconds", {})
+    prompts, spent = sum(v["prompts"] for v in seconds.values()), sum(v["seconds"] for v in seconds.values())
+    n_test = report["students"][0]["variants"][report["students"][0]["chosen"]]["cross_year"]["first stage"]["queries"]
+    served, arrived = f"{SERVED} (mean of the shuffles)", f"{ARRIVED} (mean of the shuffles)"
+    lines = [
+        "# Students that read: the candidates' input order (issue #54)", "",
+        f"One run of `python -m hllm.recipes.order --config configs/order/smollm2.yaml` on {report['date']} "
+        f"({report['seconds']:.0f} s on this machine's 2 CPU cores after the states). {r.model.preset} frozen, cut after "
+        f"decoder layer {r.state_layer}, prompt `{r.prompt.template}` with each query's whole first-stage top {cfg.top_n} in "
+        f"one prompt (passages cut to {r.prompt.max_doc_tokens} tokens); each student is its closed-form probe over the "
+        "cached item states, so only its head is re-fitted. A state depends on where its passage sat in the causal prompt: "
+        f"every order is its own prefill. States: {prompts} prompts (every query of "
+        f"{', '.join(map(collection_name, cfg.collections))} in {len(cfg.orders)} orders"
+        + "".join(f", {collection_name(e.rpartition('@')[0])} {e.rpartition('@')[2]}" for e in cfg.extra)
+        + f"), computed once in {spent / 60:.0f} min ({spent / max(prompts, 1):.1f} s a prompt; "
+        f"`{Path(cfg.output_dir) / 'states'}`).", "",
+        "**How a set is read.** With no order declared, the served path (`Reranker.encode`, every HTTP route, `hllm "
+        "rerank --undeclared`) puts the documents in their *canonical order* — sorted by a hash of each text "
+        "(`hllm.data.order.canonical_order`) — builds the one prompt from that and maps the answer back. Every arrival "
+        "order of the same documents is the same prompt, so the same ranking: the order it arrived in cannot leak into "
+        "the answer, not even through the causal reading. *As served* figures rank each shuffle that way (checked per "
+        "query: its canonical order is the cached one, document for document); *read as it arrived* figures rank the "
+        "causal prompt of the arrival order itself — the ablation, what the canonical reading replaces.", "",
+        f"Every figure is nDCG@10 (graded qrels, rel >= {cfg.rel}), the mean over the judged queries stated, with a 95% "
+        f"percentile bootstrap interval over queries ({cfg.bootstrap} resamples, scipy.stats.bootstrap). **Shuffled**: the "
+        f"mean over {len(cfg.shuffles)} fixed shuffles per query ({', '.join(cfg.shuffles)}: `hllm.data.order.InputOrder`, "
+        "a per-query permutation seeded by the query id), no order declared (the first-stage prior is off; the ranking is "
+        "the text's alone). **Declared**: the BM25 order, declared (`first_stage_order=true`: the prior reads the ranks). "
+        f"**First stage**: the BM25 order itself. Cross-year: fitted on {train} (its queries choose every setting by "
+        f"{cfg.cv_folds}-fold CV), measured on {test} ({n_test} queries), read once at the end. Out of fold: {train}'s "
+        f"queries in {cfg.folds} folds by query hash (the teacher-folds of `hllm.recipes.distilltext`), every query tested "
+        "once by a head fitted on the others.", "",
+        "## The lines", "", "```text", *headline(report), "```", "",
+        f"(cross-year: the student fitted on {train}, measured on {test}, shuffled input as served; the name as "
+        "`Reranker.load` takes it.)", "",
+        "## The goals", "",
+        "| student | shuffled, as served | first stage − 0.005 | met | spread over the shuffles | ≤ 0.01 | declared | "
+        "before − 0.005 | met | shuffled, read as it arrived (spread) |",
+        "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | --- | ---: |"]
+    for st in report["students"]:
+        cross = st["variants"][st["chosen"]]["cross_year"]
+        sh, first, dec = cross[served], cross["first stage"]["nDCG@10"], cross["first-stage, declared"]["nDCG@10"]
+        before = (st["recorded"] or {}).get("nDCG@10", st["variants"][st["before"]]["cross_year"]["first-stage, declared"]["nDCG@10"])
+        lines.append(f"| {st['student']} | {sh['nDCG@10']:.4f} | {first - 0.005:.4f} | {yes(sh['nDCG@10'] >= first - 0.005)} | "
+                     f"{sh['spread']:.4f} | {yes(sh['spread'] <= 0.01)} | {dec:.4f} | {before - 0.005:.4f} | "
+                     f"{yes(dec >= before - 0.005)} | {cross[arrived]['nDCG@10']:.4f} ({cross[arrived]['spread']:.4f}) |")
+    lines += ["", "*before*: the student's cross-year figure as recorded before this recipe (named under each student "
+              "below), first-stage order declared.", ""]
+    for st in report["students"]:
+        spec = next(s for s in cfg.students if s.name == st["student"])
+        v = st["variants"][st["chosen"]]
+        c, cross = v["choice"], v["cross_year"]
+        target = "its qrels (graded judgments)" if spec.target == "judgments" else \
+            f"the teacher's ranking (`{Path(spec.teacher_rankings).name}`, rank r graded {spec.teacher_depth} + 1 − r)"
+        lines += [f"## {st['student']}", "",
+                  f"Target: {target}, which moves with its documents in every order. Shipped variant: **{st['chosen']}** "
+                  f"(each {train} list seen in {', '.join(v['orders'])}; L2 {c['ridge_lambda']:g}, prior scale "
+                  f"{c['prior_scale']:g}), chosen on {train}'s queries alone: the best CV score with no declared order "
+                  f"({c['cv_undeclared']:.4f}, the mean over the shuffles read as they arrived) among the variants whose "
+                  "declared CV score is within 0.005 of the students as shipped before "
+                  f"(`{st['before']}`: {st['variants'][st['before']]['choice']['cv_declared']:.4f}). "
+                  + (f"Before: {st['recorded']['nDCG@10']:.4f} on {test} ({st['recorded']['source']}). " if st["recorded"] else "")
+                  + (f"Re-shipped to `{spec.folder}`, fitted on {st['shipped']['train_queries']} queries "
+                     f"({st['shipped']['train_lists']} lists) with L2 {st['shipped']['ridge_lambda']:g}, prior scale "
+                     f"{st['shipped']['prior_scale']:g}." if st.get("shipped") else "Not shipped (ship=false)."), "",
+                  f"### Cross-year, {test} ({cross['first stage']['queries']} queries): the shipped variant by input order", "",
+                  "| input order | the order itself | student, declared | student, as served (undeclared) | "
+                  "student, read as it arrived |", "| --- | ---: | ---: | ---: | ---: |",
+                  f"| first stage (BM25) | {cell(cross['first stage'])} | {cell(cross['first-stage, declared'])} | "
+                  f"{cell(cross['first-stage, as served'])} | {cell(cross['first-stage, read as it arrived'])} |"]
+        for key, row in cross.items():
+            if key.endswith("(the order itself)"):
+                order = key.removesuffix(" (the order itself)")
+                lines.append(f"| {order} | {cell(row)} | | {cell(cross[f'{order}, as served'])} | "
+                             f"{cell(cross[f'{order}, read as it arrived'])} |")
+        lines += [f"| shuffled, mean of {len(cfg.shuffles)} (spread as served {cross[served]['spread']:.4f}, as arrived "
+                  f"{cross[arrived]['spread']:.4f}) | | | {cell(cross[served])} | {cell(cross[arrived])} |", "",
+                  "### Ablation: every variant, chosen by the same CV", "",
+                  f"| variant (orders / choice rule) | L2 | prior | CV undeclared | CV declared | out of fold: first stage | "
+                  f"declared | as served | read as it arrived | {test}: declared | shuffled as served | read as they arrived "
+                  "(spread) | reversed, as served | s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for key, var in st["variants"].items():
+            ch, oof, cy = var["choice"], var["out_of_fold"], var["cross_year"]
+            rev = cy.get("reversed, as served", {}).get("nDCG@10")
+            lines.append(f"| {key}{' (shipped)' if key == st['chosen'] else ''} | {ch['ridge_lambda']:g} | {ch['prior_scale']:g} | "
+                         f"{f4(ch['cv_undeclared'])} | {f4(ch['cv_declared'])} | {f4(oof['first stage'])} | {f4(oof['declared'])} | "
+                         f"{f4(oof['as served'])} | {f4(oof['read as it arrived'])} | {f4(cy['first-stage, declared']['nDCG@10'])} | "
+                         f"{f4(cy[served]['nDCG@10'])} | {f4(cy[arrived]['nDCG@10'])} ({f4(cy[arrived]['spread'])}) | "
+                         f"{'' if rev is None else f4(rev)} | {var['seconds']:.0f} |")
+        rules = "; ".join(f"`{k}`: {v}" for k, v in RULES.items())
+        bound = st["in_sample_bound"]
+        lines += ["", f"Choice rules: {rules}. CV undeclared: the mean over the shuffles, read as they arrived ({len(cfg.shuffles)} "
+                  "draws of a reading order per held-out query; the canonical order is one more such draw). Out of fold: "
+                  f"{train}, {cfg.folds} folds, the mean over every query.", "",
+                  "### What limits it", "",
+                  f"In-sample bound: {bound['what']}: **{bound['nDCG@10']:.4f}** (first stage "
+                  f"{cross['first stage']['nDCG@10']:.4f}, the shipped variant as served {cross[served]['nDCG@10']:.4f}). No "
+                  "linear read-out of these frozen states ranks these lists better than one fitted on them; where that is "
+                  "below the first stage, the states carry too little of the ranking once the order is gone, and a better "
+                  "fit of the head cannot close the gap: the backbone's reading must (LoRA, a larger model).", ""]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

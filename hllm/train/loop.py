@@ -204,7 +204,8 @@ def student_examples(builder: PromptBuilder, ranked: Sequence[RankedSlate], loss
         for r in keep:
             slate, perm = reorder(r.slate, order), r.ranking.permutation
             if perm is not None and order != FIRST_STAGE:
-                moved = order.permutation(len(r.slate.candidates), r.slate.slate_id)  # new position -> old
+                moved = order.permutation(len(r.slate.candidates), r.slate.slate_id,
+                                          [c.shown for c in r.slate.candidates])  # new position -> old
                 new_of = {old: new for new, old in enumerate(moved)}
                 perm = [new_of[i] for i in perm]
             prompt = dataclasses.replace(builder.encode(slate, with_answer=False), first_stage_order=order.declared)
