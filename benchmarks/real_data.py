@@ -62,7 +62,8 @@ log = logging.getLogger("hllm")
 
 def rows_for(collection: str, split: str, slates: list[RerankRequest], metrics: dict[str, dict[str, float]]) -> list[dict]:
     return [{"collection": collection, "queries": len(slates), "split": split, "method": method,
-             "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)} for method, m in metrics.items()]
+             "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4), "input_order": "first-stage"}
+            for method, m in metrics.items()]
 
 
 def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict], list[str]]:
@@ -165,7 +166,7 @@ def write(rows: list[dict], out: Path, text: str, title: str | None = "# Real te
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**r, "input_order": r.get("input_order") or "first-stage"} for r in rows)  # else: measured so
     print(text)
     out.with_suffix(".md").write_text((f"{title}\n\n" if title else "") + f"{text}\n")
 

@@ -31,8 +31,9 @@ def test_real_data_report_from_a_finished_job(shared_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     assert list(rows[0]) == ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "teacher", "tau_to_teacher",
-                             "share_kept", "share_kept_ci95"]  # the last four: the teacher-folds rows' (empty here)
-    assert all(r["teacher"] == "" for r in rows)
+                             "share_kept", "share_kept_ci95",  # the teacher-folds rows' (empty here)
+                             "input_order", "order_declared", "nDCG@10_ci95"]  # the input-order rows' (a job's: first-stage)
+    assert all(r["teacher"] == "" and r["input_order"] == "first-stage" for r in rows)
     got = {(r["collection"], r["split"], r["method"]): r for r in rows}
     for collection, split, queries in (("trec-dl19-passage-bm25top100", "test", 11), ("cranfield", "transfer-test", 3)):
         for method in ("first_stage", "teacher", "student", "first_style"):

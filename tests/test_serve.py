@@ -278,6 +278,11 @@ def test_a_request_the_domain_guard_distrusts_keeps_the_input_order_and_says_so(
             assert [r["index"] for r in free["results"]] == own and free["meta"]["first_stage_order"] is False
             assert free["meta"]["trust"] == 0.0 and free["meta"]["confidence"]["agreement"] is None
             assert any("no first-stage order was declared" in w for w in free["meta"]["warnings"])
+            # a set: the same documents reversed get the same answer, document for document
+            back = requests.post(URL + "/guarded" + path, json={"query": "red boots", "documents": DOCS[::-1]}, timeout=60).json()
+            assert [DOCS[::-1][r["index"]] for r in back["results"]] == [DOCS[i] for i in own]
+            assert [r["relevance_score"] for r in back["results"]] == [r["relevance_score"] for r in free["results"]]
+            assert back["meta"]["confidence"] == free["meta"]["confidence"]
         bad = requests.post(URL + "/guarded/v1/rerank", json={"query": "q", "documents": DOCS, "first_stage_order": "yes"}, timeout=60)
         assert bad.status_code == 422 and "first_stage_order" in bad.text
     finally:

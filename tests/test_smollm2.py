@@ -93,6 +93,25 @@ def test_the_named_student_ranks_a_trec_query_in_one_pass(shared_data, trec_stud
 
 
 @pytest.mark.data
+def test_the_named_student_gives_a_shuffled_trec_list_the_same_answer_in_any_order(shared_data, trec_student):
+    """Undeclared, the real student reads every arrival order of the same 20 passages as one prompt (their canonical
+    order): the same ranking, exactly. (Read as they arrived, the causal prompt moved DL21's nDCG@10 by up to 0.03
+    over three shuffles: reports/order.md.) Declared, the BM25 order is read by the prior and may move the answer."""
+    from hllm.data.order import InputOrder, reorder
+    from hllm.data.readers import read_slates
+
+    (slate,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=20)[:1]
+    answers = []
+    for order in ("first-stage", "shuffled:0", "shuffled:1", "reversed"):
+        moved = reorder(slate, InputOrder.parse(order))
+        ranked = trec_student.rank(moved.query.text, [c.shown for c in moved.candidates])
+        answers.append([(moved.candidates[d.index].docid, round(d.score, 6)) for d in ranked])
+    assert all(a == answers[0] for a in answers[1:])
+    declared = trec_student.rank(slate.query.text, [c.shown for c in slate.candidates], first_stage_order=True)
+    assert sorted(slate.candidates[d.index].docid for d in declared) == sorted(d for d, _ in answers[0])
+
+
+@pytest.mark.data
 @pytest.mark.slow
 def test_the_named_student_trusts_a_trec_query_and_keeps_the_first_stage_order_on_a_long_arguana_query(shared_data,
                                                                                                            trec_student):
