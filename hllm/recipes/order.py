@@ -12,8 +12,9 @@ inputs, not relabelled copies.
 Each student of `students` (a shipped closed-form probe: its target, pooling, grids) is fitted on `train_on`'s
 queries seen in the orders of an `augmentations` entry (each list's target — its qrels, or the teacher's
 ranking read by document id — stays with its documents), and measured two ways: with no declared order
-(the prior off: the ranking is the text's alone) on each shuffle, and with the first-stage order declared
-(the prior on). On the training queries, by `cv_folds`-fold cross-validation: the augmentation and the L2
+(the prior off: the ranking is the text's alone) on each shuffle — as served, every arrival order read in its
+canonical order (`hllm.data.order.canonical_order`), and, for the ablation, read as it arrived — and with the
+first-stage order declared (the prior on). On the training queries, by `cv_folds`-fold cross-validation: the augmentation and the L2
 weight that rank best with no declared order (the mean over the shuffles), then the prior's scale that ranks
 best with the order declared. Out of fold (`train_on`'s queries by `folds` query folds) and cross-year
 (`test_on`, read once at the end), every augmentation is reported (the ablation); the chosen one is shipped:
