@@ -14,7 +14,7 @@ def test_every_shipped_card_reads_typed_and_writes_back_the_same_json(name, tmp_
     saved = json.loads((NAMED_MODELS[name] / CARD_FILE).read_text())
     card = read_model_card(NAMED_MODELS[name])
     assert isinstance(card.prompt, PromptCard) and card.positions == saved["positions"] and card.base_model == saved["base_model"]
-    assert card.vocabulary == saved.get("vocabulary") and card.figures.get("cv_nDCG@10", card.figures.get("teacher_folds")) is not None
+    assert card.vocabulary == saved.get("vocabulary") and card.figures["input_order"]["shuffled_input_nDCG@10"] > 0  # re-made by hllm order
     write_model_card(tmp_path, card)
     assert json.loads((tmp_path / CARD_FILE).read_text()) == saved
 
