@@ -266,9 +266,9 @@ class Reranker:
         return matrices
 
     def _encode_set(self, slate: RerankRequest) -> EncodedPrompt:
-        order = CANONICAL.permutation(len(slate.candidates), slate.slate_id, [c.shown for c in slate.candidates])
         prompt = self.encode_slate(reorder(slate, CANONICAL))
-        return dataclasses.replace(prompt, first_stage_order=False, reading_order=tuple(order))
+        return dataclasses.replace(prompt, first_stage_order=False,
+                                   reading_order=tuple(canonical_order([c.shown for c in slate.candidates])))
 
     def rank(self, query: str, documents: Sequence[str], top_k: int | None = None,
              decoder: str | None = None, *, first_stage_order: bool = False) -> list[RankedDocument]:

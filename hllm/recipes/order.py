@@ -349,23 +349,31 @@ def robustness(fitter: Fitter, path: str, index: list[int], orders: list[InputOr
     def itself(items: list[StateSlate]) -> np.ndarray:
         return ndcg_by_query(items, [list(range(len(i.slate.candidates))) for i in items], cfg.rel)
 
+    scored: dict[tuple[InputOrder, str], np.ndarray] = {}  # (order, how) -> (queries,) nDCG@10, each computed once
+
     def served(order: InputOrder) -> np.ndarray:
-        items = [fitter.views.items(path, order)[i] for i in index]
-        return ndcg_by_query(items, served_orders(fitter, path, index, order), cfg.rel)
+        if (order, "as served") not in scored:
+            items = [fitter.views.items(path, order)[i] for i in index]
+            scored[order, "as served"] = ndcg_by_query(items, served_orders(fitter, path, index, order), cfg.rel)
+        return scored[order, "as served"]
+
+    def arrived(order: InputOrder) -> np.ndarray:
+        if (order, "read as it arrived") not in scored:
+            scored[order, "read as it arrived"] = fitter.score(path, index, order, False)
+        return scored[order, "read as it arrived"]
 
     rows["first stage"] = row(itself(first_items))
     rows["first-stage, declared"] = row(fitter.score(path, index, FIRST_STAGE, True))
     rows["first-stage, as served"] = row(served(FIRST_STAGE))
-    rows["first-stage, read as it arrived"] = row(fitter.score(path, index, FIRST_STAGE, False))
+    rows["first-stage, read as it arrived"] = row(arrived(FIRST_STAGE))
     for order in orders:
         if order not in (FIRST_STAGE, CANONICAL):
             rows[f"{order} (the order itself)"] = row(itself([fitter.views.items(path, order)[i] for i in index]))
             rows[f"{order}, as served"] = row(served(order))
-            rows[f"{order}, read as it arrived"] = row(fitter.score(path, index, order, False))
+            rows[f"{order}, read as it arrived"] = row(arrived(order))
     for name, how in ((SERVED, "as served"), (ARRIVED, "read as it arrived")):
         figures = [rows[f"{o}, {how}"]["nDCG@10"] for o in fitter.shuffles]
-        per_query = np.mean([served(o) if how == "as served" else fitter.score(path, index, o, False)
-                             for o in fitter.shuffles], axis=0)  # (queries,)
+        per_query = np.mean([(served if how == "as served" else arrived)(o) for o in fitter.shuffles], axis=0)  # (queries,)
         rows[f"{name} (mean of the shuffles)"] = {**row(per_query), "spread": max(figures) - min(figures)}
     return rows
 
