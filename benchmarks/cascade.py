@@ -36,7 +36,8 @@ from hllm.eval.evaluation import first_stage_order  # noqa: E402
 from hllm.model.confidence import THRESHOLDS_FILE, confidence  # noqa: E402
 from hllm.model.ranker import SinglePassRanker  # noqa: E402
 from hllm.model.card import record_in_provenance  # noqa: E402
-from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, oof_thresholds, per_query, teacher_grades  # noqa: E402
+from hllm.eval.metrics import top10_by_query  # noqa: E402
+from hllm.train.probes import FOLD_SALT, ShippedProbe, oof_thresholds, teacher_grades  # noqa: E402
 from hllm.teacher.external import external_rankings  # noqa: E402
 from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates  # noqa: E402
 from hllm.train.state_cache import cached_states  # noqa: E402
@@ -191,7 +192,7 @@ def main() -> None:
         f"states: {d}/{t} shards ({s:.0f}s)", flush=True))
     folds = query_folds(len(slates), [s.slate_id for s in slates], 5, FOLD_SALT)
     def ndcg_of(some, orders) -> np.ndarray:  # per query of `some`, in their order
-        got = per_query(some, orders, 2)["nDCG@10"]
+        got = top10_by_query(some, orders, 2)["nDCG@10"]
         return np.array([got[s.slate_id] for s in some])
 
     def ndcg(orders) -> np.ndarray:
@@ -203,7 +204,7 @@ def main() -> None:
         rankings, _ = external_rankings("run", data / run, slates)
         perms = [r.permutation for r in rankings]
         teacher = ndcg(perms)
-        for student_name, targets in (("distilled", [[float(g) for g in teacher_grades(p, len(p))] for p in perms]),
+        for student_name, targets in (("distilled", [teacher_grades(p, len(p)) for p in perms]),
                                       ("judged", [[float(0 if g is None else g) for g in s.grades] for s in slates])):
             if student_name == "judged" and tname != "rankvicuna-7b":
                 continue

@@ -32,8 +32,9 @@ from hllm.eval.runfile import relevance_threshold  # noqa: E402
 from hllm.model.confidence import SIGNALS, THRESHOLDS_FILE, CascadeThresholds  # noqa: E402
 from hllm.model.ranker import SinglePassRanker  # noqa: E402
 from hllm.model.card import record_in_provenance  # noqa: E402
-from hllm.recipes.distilltext import per_query  # noqa: E402
-from hllm.recipes.realtext import in_sample_thresholds, split_by_hash  # noqa: E402
+from hllm.data.splits import split_by_hash  # noqa: E402
+from hllm.eval.metrics import top10_by_query  # noqa: E402
+from hllm.train.probes import in_sample_thresholds  # noqa: E402
 from hllm.train.head_fit import StateSlate, decode_orders, guarded_orders, score_state_slates, state_confidence  # noqa: E402
 from hllm.train.state_cache import cached_states, states_key  # noqa: E402
 
@@ -87,7 +88,7 @@ def main() -> None:
         rel, _ = relevance_threshold({s.slate_id: s.qrels() for s in slates})
 
         def ndcg(orders) -> np.ndarray:
-            values = per_query(slates, orders, rel)["nDCG@10"]
+            values = top10_by_query(slates, orders, rel)["nDCG@10"]
             return np.array([values[s.slate_id] for s in slates])
 
         first_orders = first_stage_order(slates)

@@ -31,11 +31,12 @@ from hllm.config import load_config  # noqa: E402
 from hllm.eval.evaluation import first_stage_order, quality  # noqa: E402
 from hllm.model.item_states import POOLINGS  # noqa: E402
 from hllm.model.ranker import SinglePassRanker  # noqa: E402
-from hllm.recipes.distilltext import FOLD_SALT, DistillTextConfig, Fitter, load_queries  # noqa: E402
+from hllm.recipes.distilltext import DistillTextConfig  # noqa: E402  (the recipe's config: this reads its caches)
+from hllm.train.probes import FOLD_SALT, VariantFitter, load_queries  # noqa: E402
 from hllm.train.head_fit import judged_ndcg, query_folds, ridge_utilities, set_utility  # noqa: E402
 
 
-def learning_curve(fitter: Fitter, variant, teacher: str, queries, sizes: list[int], draws: int) -> dict[int | str, list[float]]:
+def learning_curve(fitter: VariantFitter, variant, teacher: str, queries, sizes: list[int], draws: int) -> dict[int | str, list[float]]:
     """{n: per draw the held-out nDCG@10 over every query} for the variant fitted on n training queries a fold."""
     cfg = fitter.cfg
     folds = query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT)
@@ -52,7 +53,7 @@ def learning_curve(fitter: Fitter, variant, teacher: str, queries, sizes: list[i
     return curve
 
 
-def in_sample(fitter: Fitter, variant, teacher: str, queries) -> tuple[float, float, float]:
+def in_sample(fitter: VariantFitter, variant, teacher: str, queries) -> tuple[float, float, float]:
     """The variant fitted on every query, scored on the same queries: (best nDCG@10, its L2, its prior scale)."""
     cfg = fitter.cfg
     items, _ = fitter.views(variant, teacher, queries)
@@ -76,7 +77,7 @@ def main() -> None:
     cfg = load_config(DistillTextConfig, args.config, [])
     ranker = SinglePassRanker.build(cfg.ranker).eval()
     queries, _ = load_queries(cfg, ranker, cfg.collection, cfg.teachers)
-    fitter = Fitter(cfg, ranker, queries[0].states[cfg.layers[0]].shape[1] // len(POOLINGS[cfg.ranker.pooling]))
+    fitter = VariantFitter(cfg, ranker, queries[0].states[cfg.layers[0]].shape[1] // len(POOLINGS[cfg.ranker.pooling]))
     teacher = cfg.teachers[0].name
     slates = [q.slate for q in queries]
     first = quality(slates, first_stage_order(slates), cfg.rel)["nDCG@10"]

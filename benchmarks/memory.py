@@ -72,7 +72,7 @@ def train_worker(run_dir: Path, steps: int) -> list[tuple[str, float]]:
     from hllm.config import from_dict
     from hllm.model.backbones import ModelConfig
     from hllm.job.config import student_ranker_config
-    from pipelines import distill
+    from pipelines import train_student
     from pipelines.common import PipelineConfig
 
     job = json.loads((run_dir / "config.json").read_text())
@@ -89,7 +89,7 @@ def train_worker(run_dir: Path, steps: int) -> list[tuple[str, float]]:
         stop = threading.Event()
         watcher = threading.Thread(target=watch_peaks, args=("RayTrainWorker", stop, peaks))
         watcher.start()
-        result = distill.train(cfg, student_ranker_config(cfg, teacher), rankings["train"], rankings["val"])
+        result = train_student.train(cfg, student_ranker_config(cfg, teacher), rankings["train"], rankings["val"])
         stop.set()
         watcher.join()
         if result.error:

@@ -96,7 +96,7 @@ def measure_teacher(n: int, out: Path, cpus: int) -> dict:
 
 
 def measure_distill(n: int, out: Path, cpus: int, batch: int = 16, workers: int = 2) -> dict:
-    """One epoch of distillation on those `n` rankings (`pipelines/distill.py`: Ray Train + DeepSpeed,
+    """One epoch of distillation on those `n` rankings (`pipelines/train_student.py`: Ray Train + DeepSpeed,
     `workers` workers of `batch` slates a step each, a checkpoint every 50 steps, the rankings streamed
     from the store as at scale: `distill.materialize_mb=0`), in a fresh driver;
     -> the fit's seconds, ms a slate, the rank-0 worker's peak RSS, how the rankings reached the workers."""
@@ -178,7 +178,7 @@ def main() -> None:
         lines += [""] + [f"teacher slates/s at 1e{len(str(t['size'])) - 1}: {t['slates_per_s']:.1f}" for t in teacher]
         distilled = [t for t in teacher if t["distill"]]
         if distilled:
-            lines += ["", "One epoch of distillation on those rankings (`pipelines/distill.py`: Ray Train + DeepSpeed ZeRO-2, "
+            lines += ["", "One epoch of distillation on those rankings (`pipelines/train_student.py`: Ray Train + DeepSpeed ZeRO-2, "
                       "2 CPU workers of 16 slates a step, a checkpoint every 50 steps; the fit's own seconds):", "",
                       "| train slates | steps | seconds | ms a slate | rank-0 worker peak RSS | train rankings |",
                       "| ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -11,8 +11,8 @@
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.recipes.realtext
     hllm order --config configs/order/smollm2.yaml                         # = python -m hllm.recipes.order
-    hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml  # = python -m pipelines.distill_text
-    hllm adaptation --config configs/adaptation/dl19-multistage.yaml   # = python -m pipelines.adaptation
+    hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml  # MLflow: pipelines/recorded_recipes.py
+    hllm adaptation --config configs/adaptation/dl19-multistage.yaml   # MLflow: pipelines/recorded_recipes.py
     hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
@@ -27,6 +27,10 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hllm.job.collection import CollectionRun
 
 USAGE_ERROR = 2
 READ_FORMATS = ("auto", "beir", "rank_llm", "tsv", "hllm")
@@ -107,35 +111,36 @@ def cmd_rerank(args: argparse.Namespace) -> int:
         from pipelines.rerank import ray_map_shards
 
         map_shards = ray_map_shards(args.actors, args.cpus_per_actor, args.address)
-    path, stats = rerank_collection(spec, slates, out, args.shard_size, settings, map_shards, progress=not args.quiet)
-    print(f"wrote {path}: {stats['queries']} queries, {sum(len(s.candidates) for s in slates)} documents, "
-          f"{stats['windows']} windows ({stats['windows'] / max(stats['queries'], 1):.1f} per query), "
-          f"{stats['resumed_shards']} of {stats['shards']} shards resumed"
-          + (f"; {stats['failed']} teacher answers without a permutation kept the first-stage order" if stats["failed"] else ""))
-    if "endpoint" in stats:
+    done = rerank_collection(spec, slates, out, args.shard_size, settings, map_shards, progress=not args.quiet)
+    path = done.path
+    print(f"wrote {path}: {done.queries} queries, {sum(len(s.candidates) for s in slates)} documents, "
+          f"{done.windows} windows ({done.windows / max(done.queries, 1):.1f} per query), "
+          f"{done.resumed_shards} of {done.shards} shards resumed"
+          + (f"; {done.failed} teacher answers without a permutation kept the first-stage order" if done.failed else ""))
+    if done.endpoint is not None:
         from hllm.teacher.endpoint import endpoint_figures, endpoint_line
 
-        print(f"teacher endpoint: {endpoint_line(endpoint_figures(stats['endpoint']))}")
+        print(f"teacher endpoint: {endpoint_line(endpoint_figures(done.endpoint))}")
     notes = path.with_name(path.name + ".queries.jsonl")
     if args.model is not None and notes.exists():
         print(f"per query (confidence, trust): {final.with_name(final.name + '.queries.jsonl')}"
-              + (f"; the domain guard sent {stats['fell_back']} of {stats['queries']} queries toward the first-stage order"
-                 if stats.get("fell_back") else ""))
+              + (f"; the domain guard sent {done.fell_back} of {done.queries} queries toward the first-stage order"
+                 if done.fell_back else ""))
     if rule is not None:
         from hllm.serving.cascade import cascade
 
         counts = cascade(path, notes, slates, _cascade_teacher(args, final), rule, final, args.tag + "-cascade")
         notes.replace(final.with_name(final.name + ".queries.jsonl"))
         which = f"below {rule.threshold:.4g}" if rule.threshold is not None else "the least confident"
-        print(f"cascade: {counts['escalated']} of {counts['queries']} queries ({counts['escalated'] / max(counts['queries'], 1):.0%})"
+        print(f"cascade: {counts.escalated} of {counts.queries} queries ({counts.escalated / max(counts.queries, 1):.0%})"
               f" went to the teacher, {which} by {rule.signal}"
-              + (f"; {counts['teacher_missing']} of them had no teacher ranking (the student's stands)" if counts["teacher_missing"] else "")
+              + (f"; {counts.teacher_missing} of them had no teacher ranking (the student's stands)" if counts.teacher_missing else "")
               + f"; wrote {final}")
-        if "endpoint" in counts["teacher_figures"]:
+        if "endpoint" in counts.teacher_figures:
             from hllm.teacher.endpoint import endpoint_figures, endpoint_line
 
-            print(f"cascade teacher endpoint: {endpoint_line(endpoint_figures(counts['teacher_figures']['endpoint']))}")
-    _warn_vocabulary(spec, stats, args.unknown_token_warning)
+            print(f"cascade teacher endpoint: {endpoint_line(endpoint_figures(counts.teacher_figures['endpoint']))}")
+    _warn_vocabulary(spec, done, args.unknown_token_warning)
     if qrels is None:
         return 0
     from hllm.data.order import InputOrder, reorder
@@ -173,18 +178,18 @@ def _cascade_teacher(args: argparse.Namespace, final: Path):
     return served_teacher(spec, answers_folder(final))
 
 
-def _warn_vocabulary(spec, stats: dict[str, int], threshold: float) -> None:
+def _warn_vocabulary(spec, done: CollectionRun, threshold: float) -> None:
     """Once per run, as Serve does per request: the share of the shown tokens the model cannot read."""
     from hllm.model.card import read_model_card
     from hllm.model.prompts import vocabulary_warning
     from hllm.uris import resolve_model_uri
 
-    if spec.model is None or not stats.get("shown_tokens"):
+    if spec.model is None or not done.shown_tokens:
         return
-    share = stats.get("unknown_tokens", 0) / stats["shown_tokens"]
+    share = done.unknown_tokens / done.shown_tokens
     warning = vocabulary_warning(share, read_model_card(resolve_model_uri(spec.model)).vocabulary, threshold)
     if warning:
-        print(f"warning: {warning} ({stats['unknown_tokens']} of {stats['shown_tokens']} tokens; "
+        print(f"warning: {warning} ({done.unknown_tokens} of {done.shown_tokens} tokens; "
               f"threshold {threshold:.0%})", file=sys.stderr)
 
 
@@ -306,16 +311,16 @@ def cmd_order(args: argparse.Namespace) -> int:
 
 
 def cmd_distilltext(args: argparse.Namespace) -> int:
-    from pipelines import distill_text
+    from pipelines import recorded_recipes
 
-    distill_text.main([f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
+    recorded_recipes.main("distilltext", [f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
     return 0
 
 
 def cmd_adaptation(args: argparse.Namespace) -> int:
-    from pipelines import adaptation
+    from pipelines import recorded_recipes
 
-    adaptation.main([f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
+    recorded_recipes.main("adaptation", [f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
     return 0
 
 
@@ -491,14 +496,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.set_defaults(func=cmd_order)
 
     d = sub.add_parser("distilltext", help="a real teacher's rankings (a file) distilled into the single-pass student: "
-                       "teacher-folds, cross-year, the shipped student, MLflow runs (pipelines/distill_text.py)")
+                       "teacher-folds, cross-year, the shipped student, MLflow runs (pipelines/recorded_recipes.py)")
     d.add_argument("--config", required=True, help="YAML config (e.g. configs/distilltext/smollm2-dl19-rankvicuna.yaml)")
     d.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
     d.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
     d.set_defaults(func=cmd_distilltext)
 
     a = sub.add_parser("adaptation", help="LoRA students over cached prefill states beside the frozen probe, five first "
-                       "stages, two backbone families, the first-stage guard; MLflow runs (pipelines/adaptation.py)")
+                       "stages, two backbone families, the first stage blended in; MLflow runs (pipelines/recorded_recipes.py)")
     a.add_argument("--config", required=True, help="YAML config (e.g. configs/adaptation/dl19-multistage.yaml)")
     a.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
     a.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")

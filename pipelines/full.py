@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit 
 from hllm.config import to_dict  # noqa: E402
 from hllm.data import store  # noqa: E402
 from hllm.job.stages import summary_lines  # noqa: E402
-from pipelines import data as data_stage, distill  # noqa: E402
+from pipelines import data as data_stage, train_student  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, parse_job, mlflow_run, tracking_uri  # noqa: E402
 
 log = logging.getLogger("hllm.pipelines.full")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.output_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     with mlflow_run(cfg, "full") as parent:
-        report, distill_run_id = distill.run(cfg, parent_run_id=parent.info.run_id)
+        report, distill_run_id = train_student.run(cfg, parent_run_id=parent.info.run_id)
         smoke = None if args.no_serve else deploy_and_smoke_test(cfg, Path(cfg.output_dir) / "student")
         study = None
         if args.ablations:

@@ -101,7 +101,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
     from hllm import Reranker
     from hllm.job.config import student_ranker_config
     from hllm.job.stages import teacher_rankings_stage
-    from pipelines import distill, teacher_gen
+    from pipelines import teacher_gen, train_student
     from pipelines.registry import log_student, pin, promote
 
     r, seconds = cfg.refresh, {}
@@ -141,7 +141,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
             cfg.student.train, steps=r.steps, lr=r.lr, warmup_steps=min(cfg.student.train.warmup_steps, r.steps // 5))))
         challenger_dir = out / "challenger"
         if not (challenger_dir / "hllm_ranker.json").is_file():
-            result = distill.train(tuned, student_ranker_config(cfg, teacher_model), mix_dir, original["val"].directory,
+            result = train_student.train(tuned, student_ranker_config(cfg, teacher_model), mix_dir, original["val"].directory,
                                    run.info.run_id, init_from=champion_dir, name=f"refresh-v{name_of_cycle}")
             if result.error:
                 raise RuntimeError(f"refresh fine-tuning failed: {result.error}")

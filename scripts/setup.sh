@@ -52,5 +52,5 @@ if $tests; then  # the chunks joined and checked (SHA-256), and de-quantized onc
 gguf = gemma3_gguf_path(); load_backbone(ModelConfig(preset="gemma3-270m")); print("gemma3-270m:", gguf, "->", dequantized_dir(gguf, "float32"))'
 fi
 # DeepSpeed's CPU all-reduce op, compiled once now (~40 s on 2 cores) rather than in the first distillation
-.venv/bin/python -c 'from pipelines.distill import build_cpu_ops; build_cpu_ops()'
+.venv/bin/python -c 'from pipelines.train_student import build_cpu_ops; build_cpu_ops()'
 .venv/bin/python -c 'import torch, ray, deepspeed, mlflow, hllm; print("hllm ready: torch", torch.__version__, "| ray", ray.__version__, "| cuda", torch.cuda.is_available())' 2>&1 | grep -v "real_accelerator"

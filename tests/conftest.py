@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.abc
 import os
+import sys
 import random
 from pathlib import Path
 
@@ -18,6 +20,23 @@ from teacher_server import API_KEY
 # the served teacher's key, in the environment before the session's Ray starts, so its workers read it as
 # a deployment's would (never in a config): tests/test_endpoint_teacher.py
 os.environ.setdefault("HLLM_TEST_TEACHER_KEY", API_KEY)
+
+FAST_TIER = "not slow and not gpu"  # pyproject's default -m: plain `pytest`
+
+
+class _NoRayInTheFastTier(importlib.abc.MetaPathFinder):
+    """Plain `pytest` (the fast tier) runs without Ray: a test that imports it belongs to the slow tier."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "ray":
+            raise ImportError(f"the fast tier imports no Ray ({name}): mark the test @pytest.mark.slow")
+        return None
+
+
+def pytest_configure(config):
+    if config.option.markexpr == FAST_TIER:
+        sys.meta_path.insert(0, _NoRayInTheFastTier())
+
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SERVE_PORT = 8123  # the session's one Serve HTTP port (Serve keeps the first serve.start's options)
@@ -82,13 +101,13 @@ def tiny_job(ray_local, tmp_path_factory):
     @candidate) -> (its config, its overrides, the report, the distill run's id, its output_dir). A test that changes
     what it made (the flywheel's refresh) works on a copy (`copy_job`)."""
     from hllm.config import load_config
-    from pipelines import distill
+    from pipelines import train_student
     from pipelines.common import PipelineConfig
-    from test_pipeline_distill import TINY_JOB
+    from test_pipeline_train_student import TINY_JOB
 
     out = tmp_path_factory.mktemp("tiny_job")
     cfg = load_config(PipelineConfig, None, TINY_JOB + [f"output_dir={out}"])
-    report, run_id = distill.run(cfg)
+    report, run_id = train_student.run(cfg)
     return cfg, report, run_id, out
 
 

@@ -11,7 +11,7 @@ from ray.cluster_utils import Cluster
 
 from hllm.config import load_config
 from hllm.job.config import student_ranker_config
-from pipelines import data, distill, teacher_gen
+from pipelines import data, teacher_gen, train_student
 from pipelines.common import PipelineConfig
 
 
@@ -23,7 +23,7 @@ def main(out: str, overrides: list[str]) -> None:
         cfg = load_config(PipelineConfig, None, overrides + [f"output_dir={out}", f"cluster.address={cluster.address}",
                                                              "cluster.spread=true"])
         teacher_model, rankings = teacher_gen.run(cfg, splits=("train", "val"))
-        result = distill.train(cfg, student_ranker_config(cfg, teacher_model), rankings["train"].directory,
+        result = train_student.train(cfg, student_ranker_config(cfg, teacher_model), rankings["train"].directory,
                                rankings["val"].directory)
         with result.checkpoint.as_directory() as d:
             train_nodes = sorted({p.read_text() for p in Path(d).glob("node.rank*")})

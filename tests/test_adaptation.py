@@ -1,6 +1,6 @@
 """Issue #48 at tiny scale: LoRA over cached states is the full model's forward (Llama and Gemma 3, sliding windows
 included), folds keep a query's lists from every first stage together, the recipe runs end to end and resumes
-from its finished folds, the first-stage guard spans the student to the first stage, the Gemma preset loads where
+from its finished folds, the first-stage blend spans the student to the first stage, the Gemma preset loads where
 its package is installed."""
 
 import importlib.util
@@ -18,7 +18,7 @@ from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig, collate
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker, adapt_backbone, cut_backbone
 from hllm.recipes import adaptation
-from hllm.recipes.distilltext import FOLD_SALT
+from hllm.train.probes import FOLD_SALT
 from hllm.records import Candidate, Query, RerankRequest
 from hllm.train.head_fit import query_folds
 from hllm.train.state_cache import StaleStates, cached_prefix_states, compute_prefix
@@ -157,15 +157,15 @@ def test_folds_hold_out_a_querys_lists_from_every_stage_together(tmp_path):
     assert any([c.docid for c in m.candidates] != [c.docid for c in p.candidates] for m, p in zip(mixed[1::2], subs[1::2]))
 
 
-def test_the_guard_runs_from_the_student_to_the_first_stage():
+def test_the_first_stage_blend_runs_from_the_student_to_the_first_stage():
     rng = np.random.default_rng(0)
     m = rng.normal(size=(12, 4))
     from hllm.train.head_fit import decode_orders
 
     raw, = decode_orders([m])
-    assert decode_orders([adaptation.guarded(m, 0.0)])[0] == raw  # standardising keeps the student's own order
-    assert decode_orders([adaptation.guarded(m, math.inf)])[0] == list(range(12))
-    assert decode_orders([adaptation.guarded(m, 1e4)])[0] == list(range(12))
+    assert decode_orders([adaptation.blended(m, 0.0)])[0] == raw  # standardising keeps the student's own order
+    assert decode_orders([adaptation.blended(m, math.inf)])[0] == list(range(12))
+    assert decode_orders([adaptation.blended(m, 1e4)])[0] == list(range(12))
 
 
 @pytest.mark.slow
@@ -181,16 +181,16 @@ def test_the_recipe_runs_end_to_end_and_resumes_from_its_folds(tmp_path, caplog)
     for stage in ("bm25", "dense"):
         assert f"over {stage}: student " in text
     table = report["table"]
-    assert set(table["bm25"]) == {"first_stage", "teacher", "lora", "lora+guard", "probe", "probe+guard", "warm", "warm+guard"}
+    assert set(table["bm25"]) == {"first_stage", "teacher", "lora", "lora+first-stage", "probe", "probe+first-stage", "warm", "warm+first-stage"}
     assert "probe" not in table["dense"] and "lora" in table["dense"]  # the probe ranks only its test_stages
     assert table["bm25"]["teacher"]["tau_to_teacher"] == pytest.approx(1.0)
     assert all(len(row["per_query"]) == 8 for rows in table.values() for row in rows.values())
     rows = csv_path.read_text().splitlines()
     assert "x,1,teacher-folds,kept,0.2,0.2,,,," in rows and not any(",stale," in r for r in rows)  # its own rows replaced
-    assert any(r.startswith("data,8,adaptation-dense,lora+guard,") for r in rows)
+    assert any(r.startswith("data,8,adaptation-dense,lora+first-stage,") for r in rows)
     x = report["cross_year"]
     assert x["student"] == "lora" and x["queries"] == 3 and 0.0 <= x["raw"] <= 1.0 and "Cross-year: lora" in text
-    assert set(report["guard_weights"]["lora"]) == {"bm25", "dense"} and len(report["guard_weights"]["lora"]["dense"]) == 2
+    assert set(report["first_stage_weights"]["lora"]) == {"bm25", "dense"} and len(report["first_stage_weights"]["lora"]["dense"]) == 2
     folds = sorted((tmp_path / "run" / "folds").glob("*.npz"))
     assert len(folds) == 6  # three students x two folds
     with np.load(folds[0]) as z:
@@ -245,7 +245,7 @@ def test_a_finished_run_is_recorded_in_mlflow_with_a_child_per_student(tmp_path)
     runs = mlflow.search_runs(experiment_names=["hllm-adaptation"])
     assert sorted(runs["tags.mlflow.runName"]) == ["adaptation", "lora", "probe", "warm"]
     child = runs[runs["tags.mlflow.runName"] == "lora"].iloc[0]
-    assert 0.0 <= child["metrics.bm25.raw.nDCG_at_10"] <= 1.0 and "metrics.dense.guarded.share_kept.share" in runs
+    assert 0.0 <= child["metrics.bm25.raw.nDCG_at_10"] <= 1.0 and "metrics.dense.blended.share_kept.share" in runs
     assert child["tags.ablation.backbone"] == "tiny"
     # a report made under another config is refused (a usage error, nothing recorded)
     assert cli(["adaptation", "--config", str(config), "--report", str(tmp_path / "run" / "report.json"), "folds=3", store]) == 2

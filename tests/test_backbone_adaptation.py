@@ -30,7 +30,7 @@ def test_the_gpu_experiment_runs_end_to_end_at_a_tiny_size(shared_data, tmp_path
     names = {s["name"] for s in report["config"]["students"]}
     assert names == {"smollm2-lora", "smollm2-lora-attention", "smollm2-probe", "gemma3-lora", "gemma3-probe"}
     for name in names:
-        row = report["table"]["tasb"][name + "+guard"]
+        row = report["table"]["tasb"][name + "+first-stage"]
         assert 0.0 <= row["nDCG@10"] <= 1.0 and len(row["per_query"]) == 43
     assert report["table"]["bm25"]["first_stage"]["nDCG@10"] < report["table"]["bm25"]["teacher"]["nDCG@10"]
 

@@ -13,7 +13,9 @@ from hllm.eval.metrics import ir_metrics
 from hllm.data.readers import read_qrels, read_slates
 from hllm.model.backbones import file_sha256
 from hllm.model.prompts import document_text
-from hllm.recipes.distilltext import DistillTextConfig, run, share_kept, teacher_grades
+from hllm.eval.metrics import share_kept
+from hllm.recipes.distilltext import DistillTextConfig, run
+from hllm.train.probes import teacher_grades
 from hllm.reranker import Reranker
 
 from conftest import TINY
@@ -129,7 +131,7 @@ def test_mlflow_records_a_parent_and_a_child_per_trial_with_the_reports_figures(
     import mlflow
 
     from pipelines.common import RecipeJob, TrackingConfig
-    from pipelines.distill_text import log_report
+    from pipelines.recorded_recipes import log_distilltext as log_report
 
     cfg, report, tmp_path = distilled
     parent = log_report(RecipeJob(cfg, TrackingConfig(experiment="hllm-distilltext", registered_model=None)), report)
@@ -231,13 +233,13 @@ def test_a_variant_grades_the_teacher_to_its_own_depth(tmp_path):
 
     import torch
 
-    from hllm.recipes.distilltext import CachedQuery, Fitter, Variant
+    from hllm.train.probes import CachedQuery, Variant, VariantFitter
     from hllm.records import Candidate, Query, RerankRequest
 
     cfg = tiny_config(tmp_path)  # teacher_depth=4
     slate = RerankRequest(Query("q0", "text"), [Candidate(f"d{i}", "x") for i in range(6)], [0, 1, 0, 2, 0, 0])
     query = CachedQuery(slate, {layer: torch.zeros(6, 2 * 3) for layer in cfg.layers}, {"gold": [3, 1, 0, 2, 5, 4]})
-    fitter = Fitter(cfg, None, width=3)
+    fitter = VariantFitter(cfg, None, width=3)
     for depth, want in ((None, [2, 3, 1, 4, 0, 0]), (6, [4, 5, 3, 6, 1, 2]), (1, [0, 0, 0, 1, 0, 0])):
         v = Variant(name="v", target="teacher", layer=2, pooling="mean", teacher_depth=depth)
         items, _ = fitter.views(v, "gold", [query])

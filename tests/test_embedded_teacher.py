@@ -4,7 +4,7 @@ their first-stage order; and `hllm export-teacher`, which makes such a folder fr
 import json
 
 import pytest
-from test_workflow import TINY_JOB
+from test_local_job import TINY_JOB
 
 from hllm.config import load_config
 from hllm.data.synthetic import SyntheticConfig, generate
@@ -13,7 +13,7 @@ from hllm.model.backbones import EMBEDDED_TEACHER, PROVENANCE, WEIGHTS, ModelCon
 from hllm.model.ranker import RankerConfig, SinglePassRanker
 from hllm.job.config import JobConfig
 from hllm.job.stages import load_teacher
-from hllm.recipes.workflow import run
+from hllm.recipes.local_job import run
 from pipelines.cli import main as cli
 
 DEFAULT = load_config(JobConfig, EMBEDDED_TEACHER.parents[2] / "configs" / "default.yaml")

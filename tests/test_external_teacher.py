@@ -132,7 +132,7 @@ def test_a_job_distils_from_a_rankings_file_counting_what_it_lacks(tmp_path):
     from hllm.eval.evaluation import quality
     from hllm.job.config import JobConfig
     from hllm.job.stages import summary_lines
-    from hllm.recipes.workflow import run
+    from hllm.recipes.local_job import run
 
     splits = load_splits(load_config(JobConfig, None, FILE_JOB + ["teacher.rankings=/dev/null"]).data)
     test = splits["test"]

@@ -125,6 +125,7 @@ def serve_apps(config: dict) -> dict[str, dict]:
     return {a["name"]: a for a in config["applications"]}
 
 
+@pytest.mark.slow  # Serve's own schema and app builder: imports Ray, so not in the fast tier
 def test_the_rayservice_serves_the_application_of_serve_config_yaml():
     from ray.serve.schema import ServeDeploySchema
 
@@ -148,6 +149,7 @@ def test_the_rayservice_serves_the_application_of_serve_config_yaml():
             assert set(deployment.get("user_config", {})) <= {"max_batch_size", "batch_wait_timeout_s"}
 
 
+@pytest.mark.slow  # Serve's own schema and app builder: imports Ray, so not in the fast tier
 def test_the_many_student_rayservice_builds_its_app_and_upgrades_clusters_incrementally():
     """deploy/kuberay/rayservice-students.yaml: a Serve config Serve accepts, args AppArgs accepts (the students, the
     rollout), the three deployments the app builds, and KubeRay's incremental cluster upgrade."""

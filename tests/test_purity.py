@@ -63,13 +63,10 @@ def test_importing_every_module_loads_no_framework():
 
 
 # What may import a recipe: the `hllm` command's dispatch and the MLflow-logged entry points that run one
-# (pipelines/), the one-call GPU experiment that runs the adaptation recipe (benchmarks/gpu/), and the tests. The arrows
-# left from before recipes were leaves all read the real-text recipes' folds, fitters and splits: they go with #53's
-# one real-text recipe (its shared parts then live in the library), and this list may only shrink.
-RECIPE_IMPORTERS = ("pipelines/", "benchmarks/gpu/", "tests/")
-NOT_YET_LEAVES = {("hllm/recipes/adaptation.py", "hllm.recipes.distilltext"), ("benchmarks/cascade.py", "hllm.recipes.distilltext"),
-                  ("benchmarks/cascade_ood.py", "hllm.recipes.distilltext"), ("benchmarks/cascade_ood.py", "hllm.recipes.realtext"),
-                  ("benchmarks/distill_limits.py", "hllm.recipes.distilltext")}
+# (pipelines/), the benchmarks (scripts that run a recipe or read its caches under its config; nothing imports them),
+# and the tests. What the real-text recipes share lives in the library (hllm.train.probes, hllm.eval.metrics,
+# hllm.data.splits): no recipe imports another.
+RECIPE_IMPORTERS = ("pipelines/", "benchmarks/", "tests/")
 
 
 def test_every_recipe_is_a_leaf_with_a_main():
@@ -81,7 +78,7 @@ def test_every_recipe_is_a_leaf_with_a_main():
     importers = {(str(f.relative_to(LIBRARY.parent)), name) for root in ("hllm", "pipelines", "serve", "benchmarks", "scripts")
                  for f in (LIBRARY.parent / root).rglob("*.py") for name in dotted_imports(f)
                  if name.startswith("hllm.recipes.") and not str(f.relative_to(LIBRARY.parent)).startswith(RECIPE_IMPORTERS)}
-    assert importers <= NOT_YET_LEAVES, sorted(importers - NOT_YET_LEAVES)
+    assert importers == set(), sorted(importers)
 
 
 # The layers, top to bottom: a module may import its own layer and those below it, never one above.

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.data
 def test_real_data_report_from_a_finished_job(shared_data, tmp_path):
     job = tmp_path / "job"
-    subprocess.run([sys.executable, "-m", "hllm.recipes.workflow", "--config", str(ROOT / "configs" / "default.yaml"),
+    subprocess.run([sys.executable, "-m", "hllm.recipes.local_job", "--config", str(ROOT / "configs" / "default.yaml"),
                     f"output_dir={job}", "data.source=beir", f"data.path={shared_data / 'trec-dl19-passage-bm25top100'}",
                     "data.top_n=5", "prompt.max_doc_tokens=8", "sized_for=tiny", "teacher.model.preset=tiny",
                     "teacher.bootstrap=true", "teacher.bootstrap_cfg.unjudged_grade=0",

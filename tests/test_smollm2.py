@@ -116,7 +116,7 @@ def test_the_named_student_gives_a_shuffled_trec_list_the_same_answer_in_any_ord
 def test_the_named_student_trusts_a_trec_query_and_keeps_the_first_stage_order_on_a_long_arguana_query(shared_data,
                                                                                                            trec_student):
     from hllm.data.readers import read_slates
-    from hllm.recipes.realtext import split_by_hash
+    from hllm.data.splits import split_by_hash
 
     reranker = trec_student
     (trec,) = read_slates("beir", shared_data / "trec-dl19-passage-bm25top100", top_n=100)[:1]

@@ -1,4 +1,4 @@
-"""The path `pipelines/distill.py` takes on a GPU cluster, in one process and without Ray: the library loop stepping a
+"""The path `pipelines/train_student.py` takes on a GPU cluster, in one process and without Ray: the library loop stepping a
 ZeRO-2 DeepSpeed engine around a LoRA student, then the checkpoint saved, loaded into a fresh engine and stepped again.
 
     python benchmarks/gpu/deepspeed_step.py --pack gpu_pack     # on the GPU (DeepSpeed carried as a wheel: scripts/gpu_pack.sh)
@@ -32,7 +32,7 @@ from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker  # noq
 from hllm.train.loop import (LossConfig, StudentExample, TrainConfig, batches, gold_permutation,  # noqa: E402
                              student_batch, student_loss, train_loop)
 from pipelines.common import PipelineConfig  # noqa: E402
-from pipelines.distill import EngineOptimizer, make_engine, torch_extensions_dir  # noqa: E402
+from pipelines.train_student import EngineOptimizer, make_engine, torch_extensions_dir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,3 +201,8 @@ def read_slates(fmt: str, path: str | Path, **kwargs: Any) -> list[RerankRequest
     if fmt not in READERS:
         raise DataFormatError(f"unknown slate format {fmt!r} for {path}; known: {sorted(READERS)}")
     return READERS[fmt](path, **kwargs)
+
+
+def collection_name(path: str | Path) -> str:
+    """A collection folder's name, as reports, caches and model cards name it (`trec-dl19-passage-bm25top100`)."""
+    return Path(path).name

@@ -56,6 +56,11 @@ def unit_hash(key: str) -> float:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
 
+
+def split_by_hash(slates: list[RerankRequest], fraction: float) -> tuple[list[RerankRequest], list[RerankRequest]]:
+    """-> (queries with a hash >= fraction, the others): the same split on every machine."""
+    return [s for s in slates if unit_hash(s.slate_id) >= fraction], [s for s in slates if unit_hash(s.slate_id) < fraction]
+
 def load_splits(cfg: DataConfig) -> dict[str, list[RerankRequest]]:
     """-> {"train", "val", "test"}: slates to train on, held out while training, and to report on."""
     if cfg.source == "synthetic":

@@ -114,3 +114,30 @@ def input_order_agreement(perms: Sequence[Sequence[int] | None]) -> dict[str, fl
 def validity_rate(perms: Sequence[Sequence[int] | None], sizes: Sequence[int]) -> float:
     ok = sum(p is not None and sorted(int(i) for i in p) == list(range(n)) for p, n in zip(perms, sizes))
     return ok / max(len(sizes), 1)
+
+
+def top10_by_query(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]], rel: int) -> dict[str, dict[str, float]]:
+    """{"nDCG@10" | "MRR@10": {query id: value}} over the judged queries (MRR counts grade >= `rel`)."""
+    names = {k: v for k, v in ir_measure_names(rel).items() if k in ("nDCG@10", "MRR@10")}
+    return ir_metrics_by_query(requests, permutations, names)
+
+
+def mean_ci(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean over queries (scipy.stats.bootstrap)."""
+    from scipy.stats import bootstrap
+
+    out = bootstrap((values,), np.mean, n_resamples=resamples, method="percentile", random_state=seed)
+    return float(out.confidence_interval.low), float(out.confidence_interval.high)
+
+
+def share_kept(student: np.ndarray, first: np.ndarray, teacher: np.ndarray, resamples: int, seed: int) -> dict[str, float]:
+    """(student - first) / (teacher - first) on the means over queries, with a 95% percentile
+    bootstrap interval over queries (scipy.stats.bootstrap, the queries resampled in pairs)."""
+    from scipy.stats import bootstrap
+
+    def ratio(s, b, t, axis=-1):
+        return (s.mean(axis) - b.mean(axis)) / (t.mean(axis) - b.mean(axis))
+
+    ci = bootstrap((student, first, teacher), ratio, paired=True, n_resamples=resamples, method="percentile",
+                   random_state=np.random.default_rng(seed), vectorized=True).confidence_interval
+    return {"share": float(ratio(student, first, teacher)), "ci_low": float(ci.low), "ci_high": float(ci.high)}

@@ -1,7 +1,7 @@
 """Reranking a whole collection into a TREC run, with the student or, for comparison, the AR teacher.
 
     spec = RerankSpec(model="runs/default/student")                 # or teacher="runs/default"
-    path, stats = rerank_collection(spec, slates, "run.trec", shard_size=64)
+    run = rerank_collection(spec, slates, "run.trec", shard_size=64)   # -> CollectionRun: run.path, run.queries, ...
 
 Queries go in shards (`hllm.eval.runfile.ShardedRun`): each shard is ranked by a `ShardRanker` (loaded
 once per process, or once per Ray actor when a caller passes `map_shards`) and written atomically;
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -201,10 +201,33 @@ MapShards = Callable[[RerankSpec, ShardedRun, list[list[RerankRequest]], Callabl
 """Ranks and writes the given shards elsewhere (e.g. a Ray actor pool); calls back with queries done."""
 
 
+@dataclass(frozen=True)
+class CollectionRun:
+    """What `rerank_collection` wrote: the run file and the counts summed over every shard (resumed ones too)."""
+
+    path: Path
+    queries: int
+    windows: int  # prefills (student) or generations (teacher), summed over the queries' windows
+    shards: int
+    resumed_shards: int  # found finished on disk, not ranked again
+    failed: int = 0  # teacher answers without a permutation: those queries kept the first-stage order
+    fell_back: int = 0  # a student with a declared order: queries its domain guard sent toward the first stage
+    unknown_tokens: int = 0  # a student: of the shown tokens, those its vocabulary cannot read
+    shown_tokens: int = 0
+    endpoint: dict[str, Any] | None = None  # a served teacher's raw figures (hllm.teacher.endpoint.endpoint_figures)
+    teacher: dict[str, Any] = field(default_factory=dict)  # a teacher's other counts (tokens generated, ...)
+
+    @classmethod
+    def from_totals(cls, path: Path, totals: dict[str, Any], shards: int, resumed: int) -> "CollectionRun":
+        named = {f.name for f in dataclasses.fields(cls)} - {"path", "shards", "resumed_shards", "teacher"}
+        return cls(path=path, shards=shards, resumed_shards=resumed, **{k: v for k, v in totals.items() if k in named},
+                   teacher={k: v for k, v in totals.items() if k not in named})
+
+
 def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: str | Path, shard_size: int = 64,
                       settings: dict[str, Any] | None = None, map_shards: MapShards | None = None,
-                      progress: bool = True) -> tuple[Path, dict[str, int]]:
-    """-> (the run file, totals over all shards: queries, windows, failed, resumed shards)."""
+                      progress: bool = True) -> CollectionRun:
+    """Ranks every query not yet on disk into the run file `out`. -> the run file and its counts."""
     from tqdm.auto import tqdm
 
     run = ShardedRun(out, slates, shard_size, {**spec.ranking_settings(), **(settings or {})})
@@ -221,4 +244,4 @@ def rerank_collection(spec: RerankSpec, slates: Sequence[RerankRequest], out: st
                 run.writer.write(shard, orders, spec.tag, stats, notes)
     totals = run.stats()
     run.finish()
-    return run.out, {**totals, "shards": len(run.shards), "resumed_shards": resumed}
+    return CollectionRun.from_totals(run.out, {"queries": 0, "windows": 0, **totals}, len(run.shards), resumed)

@@ -1,5 +1,5 @@
 """The job's stages, one function each: bootstrap the teacher, the teacher's rankings of a split,
-train the student, evaluate. The single-process job (`hllm.recipes.workflow`) and the Ray pipelines call
+train the student, evaluate. The single-process job (`hllm.recipes.local_job`) and the Ray pipelines call
 these same functions; what differs is passed in: how slates are ranked (in this process, or a Ray
 Data actor pool) and how the student is fitted (in this process, or Ray Train + DeepSpeed).
 

@@ -25,11 +25,11 @@ refitted on each fold's training lists). Settings are a rule fixed in the config
 and learning rates sized by the measured seconds a step); nothing is chosen on test queries; a variant stopped is said
 in the report (`notes`).
 
-The first-stage guard (`guard_weights`): a list's (N, K) matrix, standardised, plus w times the rank prior (whose
+The first-stage blend (`first_stage_weights`): a list's (N, K) matrix, standardised, plus w times the rank prior (whose
 unique optimum is the first-stage order); w = inf is the first stage itself. For each fold and each first stage, w is
 the grid value with the best nDCG@10 over the *other* folds' queries on that stage (their out-of-fold matrices; the
 fold's own judgments are never read; ties: the larger w) — a deployment knows its first stage, so it keeps one w per
-stage. Both the raw and the guarded student are reported.
+stage. Both the raw and the blended student are reported (`NAME` and `NAME+first-stage`).
 
 A finished (student, fold) is kept in `output_dir/folds`: a stopped run resumes there. Writes `output_dir/report.json`
 and `report.md` (and `report_to`, when set).
@@ -54,21 +54,22 @@ from hllm.config import to_dict
 from hllm.data.cache import fingerprint
 from hllm.data.order import InputOrder
 from hllm.data.readers import read_beir
-from hllm.eval.metrics import kendall_tau
+from hllm.eval.metrics import kendall_tau, share_kept, top10_by_query
 from hllm.model.backbones import ModelConfig, resolve_device
 from hllm.model.heads import HeadConfig, rank_prior
 from hllm.model.prompts import PromptConfig, collate
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.recipes.distilltext import FOLD_SALT, ShippedProbe, per_query, share_kept, teacher_grades
 from hllm.job.config import recipe_config
 from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
 from hllm.train.head_fit import StateSlate, decode_orders, query_folds, score_state_slates
 from hllm.train.loop import LossConfig, TorchOptimizer, TrainConfig, batches, padded_targets, param_groups, train_loop
 from hllm.train.losses import mixed_loss
+from hllm.train.probes import FOLD_SALT, ShippedProbe, teacher_grades
 from hllm.train.state_cache import PrefixStates, cached_prefix_states, prefix_key
 
 log = logging.getLogger("hllm")
+BLENDED = "+first-stage"  # a student's row blended with the first stage (its weight chosen on other folds)
 
 
 @dataclass
@@ -115,7 +116,7 @@ class AdaptationConfig:
     # permutation augmentation: a list's j-th sub-slate is read in sub_orders[j % len] (hllm.data.order; the seed of a
     # `shuffled` entry is ignored: each sub-slate its own shuffle); only the first stage's order is declared to the prior
     sub_orders: list[str] = field(default_factory=lambda: ["first-stage"])
-    guard_weights: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf])
+    first_stage_weights: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf])
     students: list[StudentSpec] = field(default_factory=list)
     only: Literal["all", "cache"] = "all"  # cache: compute the prefix caches, then stop
     # a bound on what limits a student: it also ranks this many of its fold's training lists (BM25, whole), in sample
@@ -124,7 +125,7 @@ class AdaptationConfig:
     bootstrap: int = 2000
     seed: int = 0
     report_to: str | None = None  # the report's markdown is also written here (e.g. reports/adaptation.md)
-    # the student the `over <stage>` lines report, with the first-stage guard: named before the test folds are read
+    # the student the `over <stage>` lines report, blended with the first stage: named before the test folds are read
     headline: str = "smollm2-lora"
     # another year's BEIR folder (its BM25 run): the headline student, trained on every query here, ranks it once
     cross_year: str | None = None
@@ -353,7 +354,7 @@ def probe_items(c: Caches, slates: list[RerankRequest], perms: list[list[int]] |
         states = c.lists.items(c.at[i])  # (N, 2D): last | mean
         perm = perms[i] if perms is not None else None
         items.append(StateSlate(slates[i], states[:, states.shape[1] // 2:], perm,
-                                None if perm is None else [float(g) for g in teacher_grades(perm, len(perm))]))
+                                None if perm is None else teacher_grades(perm, len(perm))))
     return items
 
 
@@ -435,7 +436,7 @@ def run_student(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, splits: lis
     return {"matrices": matrices, "seconds": seconds, "history": histories, "in_sample": in_sample}
 
 
-def guarded(matrix: np.ndarray, weight: float) -> np.ndarray:
+def blended(matrix: np.ndarray, weight: float) -> np.ndarray:
     """(N, K) scores leaning on the first stage: standardised, plus `weight` times the rank prior (the first-stage
     order its unique optimum); inf: the first-stage order's own matrix."""
     prior = rank_prior(*matrix.shape).numpy()  # (N, K)
@@ -447,27 +448,27 @@ def guarded(matrix: np.ndarray, weight: float) -> np.ndarray:
 
 def ndcg10(lists: Lists, index: list[int], orders: list[list[int]], rel: int) -> np.ndarray:
     """Per list its nDCG@10 (trec_eval-style, ir_measures) for `orders` of lists `index`."""
-    got = per_query([lists.slates[i] for i in index], orders, rel)["nDCG@10"]
+    got = top10_by_query([lists.slates[i] for i in index], orders, rel)["nDCG@10"]
     return np.array([got[lists.keys[i][1]] for i in index])
 
 
-def guard_scores(cfg: AdaptationConfig, lists: Lists, matrices: list[np.ndarray | None], index: list[int]
+def blend_scores(cfg: AdaptationConfig, lists: Lists, matrices: list[np.ndarray | None], index: list[int]
                  ) -> tuple[dict[float, dict[int, list[int]]], dict[float, dict[int, float]]]:
-    """For each guard weight, lists `index`' guarded orders and their nDCG@10: {w: {list: order}}, {w: {list: nDCG@10}}."""
-    orders = {w: dict(zip(index, decode_orders([guarded(matrices[i], w) for i in index]))) for w in cfg.guard_weights}
+    """For each first-stage weight, lists `index`' blended orders and their nDCG@10: {w: {list: order}}, {w: {list: nDCG@10}}."""
+    orders = {w: dict(zip(index, decode_orders([blended(matrices[i], w) for i in index]))) for w in cfg.first_stage_weights}
     return orders, {w: dict(zip(index, ndcg10(lists, index, [o[i] for i in index], cfg.rel))) for w, o in orders.items()}
 
 
 def best_weight(cfg: AdaptationConfig, score: dict[float, dict[int, float]], index: list[int]) -> float:
-    """The guard weight with the best mean nDCG@10 over lists `index` (ties: the larger, nearer the first stage)."""
-    return max(cfg.guard_weights, key=lambda w: (round(float(np.mean([score[w][i] for i in index])), 6), w))
+    """The first-stage weight with the best mean nDCG@10 over lists `index` (ties: the larger, nearer the first stage)."""
+    return max(cfg.first_stage_weights, key=lambda w: (round(float(np.mean([score[w][i] for i in index])), 6), w))
 
 
-def guard(cfg: AdaptationConfig, lists: Lists, splits: list[tuple[set[str], set[str]]], matrices: list[np.ndarray | None]
+def blend(cfg: AdaptationConfig, lists: Lists, splits: list[tuple[set[str], set[str]]], matrices: list[np.ndarray | None]
           ) -> tuple[list[list[int] | None], dict[str, list[float]]]:
-    """Per list its guarded order, w chosen per fold and stage on the other folds' queries of that stage (lists the
+    """Per list its blended order, w chosen per fold and stage on the other folds' queries of that stage (lists the
     student did not rank: None). -> (orders, {stage: per fold the weight chosen})."""
-    by_weight, score = guard_scores(cfg, lists, matrices, [i for i, m in enumerate(matrices) if m is not None])
+    by_weight, score = blend_scores(cfg, lists, matrices, [i for i, m in enumerate(matrices) if m is not None])
     orders: list[list[int] | None] = [None] * len(lists.keys)
     chosen: dict[str, list[float]] = {}
     for stage in cfg.stages:
@@ -483,15 +484,15 @@ def guard(cfg: AdaptationConfig, lists: Lists, splits: list[tuple[set[str], set[
 
 
 def summarize(cfg: AdaptationConfig, lists: Lists, results: dict[str, dict], splits) -> dict[str, Any]:
-    """Per stage: first stage, teacher and each student (raw and guarded) on the stages it ranked: nDCG@10 over the
+    """Per stage: first stage, teacher and each student (raw and blended with the first stage) on the stages it ranked: nDCG@10 over the
     queries, tau to the teacher, the change from the first stage, and the share of the teacher's gain kept (with a
     bootstrap CI over queries)."""
     first_orders = [list(range(len(s.candidates))) for s in lists.slates]
     methods: dict[str, list[list[int] | None]] = {"first_stage": first_orders, "teacher": lists.perms}
-    guards = {}
+    weights = {}
     for name, r in results.items():
         methods[name] = [None if m is None else decode_orders([m])[0] for m in r["matrices"]]
-        methods[f"{name}+guard"], guards[name] = guard(cfg, lists, splits, r["matrices"])
+        methods[f"{name}{BLENDED}"], weights[name] = blend(cfg, lists, splits, r["matrices"])
     table: dict[str, dict[str, Any]] = {}
     for stage in cfg.stages:
         index = lists.of([stage], {q for _, q in lists.keys})
@@ -500,7 +501,7 @@ def summarize(cfg: AdaptationConfig, lists: Lists, results: dict[str, dict], spl
             got = [orders[i] for i in index]
             if any(o is None for o in got):
                 continue  # a student that did not rank this stage's lists
-            pq = per_query([lists.slates[i] for i in index], got, cfg.rel)
+            pq = top10_by_query([lists.slates[i] for i in index], got, cfg.rel)
             nd = np.array([pq["nDCG@10"][lists.keys[i][1]] for i in index])
             rows[name] = {"nDCG@10": float(nd.mean()), "MRR@10": float(np.mean(list(pq["MRR@10"].values()))), "per_query": nd.tolist(),
                           "tau_to_teacher": float(np.mean([kendall_tau(o, lists.perms[i]) for o, i in zip(got, index)]))}
@@ -510,7 +511,7 @@ def summarize(cfg: AdaptationConfig, lists: Lists, results: dict[str, dict], spl
                 rows[name]["share_kept"] = share_kept(np.array(rows[name]["per_query"]), first, teach, cfg.bootstrap, cfg.seed)
                 rows[name]["delta_first_stage"] = rows[name]["nDCG@10"] - rows["first_stage"]["nDCG@10"]
         table[stage] = rows
-    return {"queries": len({q for _, q in lists.keys}), "table": table, "guard_weights": guards,
+    return {"queries": len({q for _, q in lists.keys}), "table": table, "first_stage_weights": weights,
             "fold_seconds": {n: r["seconds"] for n, r in results.items()},
             "history": {n: [h[-1] if h else {} for h in r["history"]] for n, r in results.items()},
             "losses": {n: [[row["loss"] for row in h] for h in r["history"]] for n, r in results.items()},
@@ -519,7 +520,7 @@ def summarize(cfg: AdaptationConfig, lists: Lists, results: dict[str, dict], spl
 
 def cross_year(cfg: AdaptationConfig, lists: Lists, oof: list[np.ndarray | None], device: torch.device) -> dict[str, Any]:
     """The headline student trained on every query's lists, ranking `cfg.cross_year`'s BM25 lists (never trained on);
-    its guard weight the one the BM25 lists' out-of-fold matrices chose over all folds."""
+    its first-stage weight the one the BM25 lists' out-of-fold matrices chose over all folds."""
     s = next(t for t in cfg.students if t.name == cfg.headline)
     c = caches(cfg, s, lists, device)
     other = read_beir(Path(cfg.cross_year), top_n=cfg.top_n)
@@ -535,14 +536,14 @@ def cross_year(cfg: AdaptationConfig, lists: Lists, oof: list[np.ndarray | None]
         mats = probe_matrices(cfg, s, probe_items(c, lists.slates, lists.perms, everything),
                               probe_items(away, other, None, list(range(len(other)))))
     bm25 = [i for i in lists.of(["bm25"], {q for _, q in lists.keys}) if oof[i] is not None]
-    w = best_weight(cfg, guard_scores(cfg, lists, oof, bm25)[1], bm25)
+    w = best_weight(cfg, blend_scores(cfg, lists, oof, bm25)[1], bm25)
     every = list(range(len(other)))
-    mean = lambda orders: float(np.mean(list(per_query(other, orders, cfg.rel)["nDCG@10"].values())))  # noqa: E731
+    mean = lambda orders: float(np.mean(list(top10_by_query(other, orders, cfg.rel)["nDCG@10"].values())))  # noqa: E731
     got = {"collection": Path(cfg.cross_year).name, "student": s.name, "queries": len(other), "seconds": time.perf_counter() - t0,
            "first_stage": mean([list(range(len(o.candidates))) for o in other]), "raw": mean(decode_orders(mats)),
-           "guard_weight": w, "guarded": mean(decode_orders([guarded(m, w) for m in mats])), "trained_on_lists": len(everything)}
-    log.info("cross-year %s (%d queries): first stage %.4f, %s %.4f, with the guard (w=%s) %.4f", got["collection"], len(every),
-             got["first_stage"], s.name, got["raw"], w, got["guarded"])
+           "first_stage_weight": w, "blended": mean(decode_orders([blended(m, w) for m in mats])), "trained_on_lists": len(everything)}
+    log.info("cross-year %s (%d queries): first stage %.4f, %s %.4f, blended with the first stage (w=%s) %.4f", got["collection"], len(every),
+             got["first_stage"], s.name, got["raw"], w, got["blended"])
     return got
 
 
@@ -592,7 +593,7 @@ def write_rows(cfg: AdaptationConfig, report: dict[str, Any], path: Path) -> Non
                          f"{share['share']:.4f}" if share else "", f"{share['ci_low']:.4f}..{share['ci_high']:.4f}" if share else ""])
     if "cross_year" in report:
         x = report["cross_year"]
-        for name, value in (("first_stage", x["first_stage"]), (x["student"], x["raw"]), (x["student"] + "+guard", x["guarded"])):
+        for name, value in (("first_stage", x["first_stage"]), (x["student"], x["raw"]), (x["student"] + BLENDED, x["blended"])):
             rows.append([x["collection"], x["queries"], "adaptation-cross-year", name, f"{value:.4f}", "", "", "", "", ""])
     kept = [r for r in csv.reader(path.open()) if r and not r[2].startswith("adaptation-")] if path.exists() else [CSV_HEADER]
     with path.open("w", newline="") as fh:
@@ -600,9 +601,9 @@ def write_rows(cfg: AdaptationConfig, report: dict[str, Any], path: Path) -> Non
 
 
 def best(cfg: AdaptationConfig, report: dict, kind: str, gemma: bool = False) -> str | None:
-    """The student of `kind` (Gemma 3's, or the others') with the best nDCG@10 on the BM25 lists, raw or guarded."""
+    """The student of `kind` (Gemma 3's, or the others') with the best nDCG@10 on the BM25 lists, raw or blended with the first stage."""
     names = [f"{s.name}{g}" for s in cfg.students if (kind == "any" or s.kind == kind)
-             and (s.model.preset == "gemma3-270m") == gemma for g in ("", "+guard")]
+             and (s.model.preset == "gemma3-270m") == gemma for g in ("", BLENDED)]
     return max(names, key=lambda n: report["table"]["bm25"][n]["nDCG@10"]) if names else None
 
 
@@ -632,7 +633,7 @@ def markdown(cfg: AdaptationConfig, r: dict) -> str:
     if gemma:
         kind = next(s.kind for s in cfg.students if s.name == gemma.split("+")[0])
         lines.append(f"share kept, gemma3-270m {kind}: {t['bm25'][gemma]['share_kept']['share']:.2f}")
-    overall = f"{cfg.headline}+guard"
+    overall = f"{cfg.headline}{BLENDED}"
     for stage in cfg.strong_stages + [s for s in cfg.stages if s not in cfg.strong_stages]:
         if overall in t[stage]:
             lines.append(f"over {stage}: student {t[stage][overall]['nDCG@10']:.4f} | first stage {t[stage]['first_stage']['nDCG@10']:.4f} "
@@ -641,8 +642,8 @@ def markdown(cfg: AdaptationConfig, r: dict) -> str:
         x = r["cross_year"]
         lines += ["", f"Cross-year: {x['student']} trained on every DL19 query's lists ({x['trained_on_lists']}), ranking "
                   f"{x['collection']}'s BM25 top {cfg.top_n} ({x['queries']} queries, never trained on): first stage "
-                  f"{x['first_stage']:.4f}, student {x['raw']:.4f}, with the guard (w = {x['guard_weight']}, chosen on DL19's "
-                  f"out-of-fold BM25 lists) {x['guarded']:.4f}."]
+                  f"{x['first_stage']:.4f}, student {x['raw']:.4f}, blended with the first stage (w = {x['first_stage_weight']}, chosen on DL19's "
+                  f"out-of-fold BM25 lists) {x['blended']:.4f}."]
     lines += ["", "## In sample (a bound on what limits each student)", "",
               f"Each fold's student also ranked up to {cfg.in_sample} BM25 lists of its own training queries; means over the folds.", "",
               "| student | its training lists: nDCG@10 | first stage | teacher | tau to teacher | out of fold (BM25): nDCG@10 |",

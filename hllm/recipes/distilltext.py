@@ -24,67 +24,38 @@ finished fold is kept in `output_dir/folds`: a stopped run resumes at the next f
 `relevance_score`: the first teacher's distilled student calibrated (`hllm.model.calibration`) on the
 out-of-fold matrices of the variant it ships; ECE on held-out queries (calibrated on the other folds') and cross-year.
 `ship_to`: that student, fitted on every query, saved with its calibration, model card and provenance.
-Writes report.json; `pipelines/distill_text.py` (`hllm distilltext`) records it in MLflow.
+Writes report.json; `pipelines/recorded_recipes.py` (`hllm distilltext`) records it in MLflow.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-import torch
 
 from hllm.config import to_dict
 from hllm.data.cache import fingerprint
-from hllm.data.readers import read_slates
 from hllm.eval.evaluation import first_stage_order
-from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, kendall_tau
+from hllm.eval.metrics import kendall_tau, share_kept, top10_by_query
+from hllm.job.config import recipe_config, start_recipe
 from hllm.model.backbones import ModelConfig, file_sha256
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_sums, fit_calibrator
-from hllm.model.confidence import CascadeThresholds, confidence
+from hllm.model.card import ModelCard, PromptCard, write_model_card, write_provenance
+from hllm.model.confidence import CascadeThresholds
 from hllm.model.heads import HeadConfig
-from hllm.model.item_states import POOLINGS, Pooling
+from hllm.model.item_states import POOLINGS
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.model.card import ModelCard, PromptCard, write_model_card, write_provenance
-from hllm.job.config import recipe_config, start_recipe
-from hllm.records import RerankRequest
-from hllm.teacher.external import external_rankings
-from hllm.train.head_fit import (StateSlate, cv_ridge, cv_sgd, decode_orders, query_folds, ridge_utility, score_state_slates,
-                                 set_utility)
-from hllm.train.loop import LossConfig, TrainConfig
-from hllm.train.state_cache import cached_layer_states, layer_key
+from hllm.train.head_fit import decode_orders, query_folds
+from hllm.train.loop import TrainConfig
+from hllm.train.probes import FOLD_SALT, CachedQuery, TeacherRun, Variant, VariantFitter, load_queries, oof_thresholds
 
 log = logging.getLogger("hllm")
-FOLD_SALT = "teacher-folds/"  # the outer folds' hash differs from the inner CV's (hllm.train.head_fit.query_folds)
-TARGET_LOSS = {"teacher": {"sinkhorn_ce": 1.0}, "judgments": {"graded_ce": 1.0}, "both": {"sinkhorn_ce": 1.0, "graded_ce": 1.0}}
-
-
-@dataclass
-class TeacherRun:
-    name: str  # in the report, e.g. rankvicuna-7b
-    rankings: str  # the teacher's rankings of the collection's queries
-    format: str = "run"  # hllm.teacher.external.FORMATS: run, rank_llm, responses
-
-
-@dataclass
-class Variant:
-    """One way to fit the student (a row of the ablation, a child run in MLflow)."""
-
-    name: str
-    target: Literal["teacher", "judgments", "both"]  # what it learns from
-    fit: Literal["ridge", "sgd"] = "ridge"
-    layer: int = 16  # read the states after this decoder layer (one of DistillTextConfig.layers)
-    pooling: Pooling = "last+mean"  # a part of the cached pooling
-    loss: dict[str, float] | None = None  # sgd: hllm.train.losses terms (None: TARGET_LOSS[target])
-    sample_items: int | None = None  # sgd: sub-slates of this many candidates, the teacher's relative order
-    teacher_depth: int | None = None  # ridge target: the teacher's top this many graded (None: the config's)
 
 
 @dataclass
@@ -139,104 +110,6 @@ class DistillTextConfig:
             raise ValueError("variant names must be unique")
 
 
-@dataclass
-class CachedQuery:
-    """One query of a collection: its slate, its states per layer, and each teacher's permutation."""
-
-    slate: RerankRequest
-    states: dict[int, torch.Tensor]  # layer -> (N, P * D)
-    perms: dict[str, list[int]]  # teacher name -> 0-based permutation, best first
-
-
-def load_queries(cfg: DistillTextConfig, ranker: SinglePassRanker, path: str, teachers: list[TeacherRun]) -> tuple[list[CachedQuery], dict]:
-    """The collection's slates with their cached states (computed where missing) and the teachers'
-    rankings; -> (queries, each teacher's coverage counts). A query a teacher does not rank is an error
-    here: the folds compare every method on the same queries."""
-    slates = read_slates("beir", path, top_n=cfg.top_n)
-    name = Path(path).name
-    dirs = {layer: Path(cfg.output_dir) / "states" / f"{name}-{layer_key(ranker.cfg, layer, slates)}" for layer in cfg.layers}
-    states = cached_layer_states(ranker, slates, dirs, cfg.shard_slates, progress=lambda done, total, s: log.info(
-        "  %s: %d/%d state shards (%.0fs)", name, done, total, s))
-    perms, coverage = {}, {}
-    for t in teachers:
-        rankings, cov = external_rankings(t.format, t.rankings, slates)
-        coverage[t.name] = cov.counts()
-        if cov.uncovered or cov.missing_ids:
-            raise ValueError(f"teacher {t.name}: {cov.uncovered} of {len(slates)} queries unranked, {cov.missing_ids} "
-                             f"candidates left out ({cov.examples}); the folds need every query ranked whole")
-        perms[t.name] = [r.permutation for r in rankings]
-    return [CachedQuery(s, {layer: states[layer][i] for layer in cfg.layers}, {t: p[i] for t, p in perms.items()})
-            for i, s in enumerate(slates)], coverage
-
-
-def _columns(cfg: DistillTextConfig, pooling: str, width: int) -> list[int]:
-    """The columns of a `pooling` part of the cached states (each part `width` wide)."""
-    cached = POOLINGS[cfg.ranker.pooling]
-    return [c for part in POOLINGS[pooling] for c in range(cached.index(part) * width, (cached.index(part) + 1) * width)]
-
-
-def teacher_grades(perm: list[int], depth: int) -> list[int]:
-    """Input order -> the teacher's rank r (1-based) graded depth + 1 - r within its top `depth`, 0 below."""
-    grades = [0] * len(perm)
-    for rank, item in enumerate(perm[:depth]):
-        grades[item] = depth - rank
-    return grades
-
-
-class Fitter:
-    """Fits one variant on some queries and ranks others, over the cached states."""
-
-    def __init__(self, cfg: DistillTextConfig, ranker: SinglePassRanker, width: int):
-        self.cfg, self.ranker, self.width = cfg, ranker, width
-
-    def judged(self, v: Variant, queries: list[CachedQuery]) -> list[StateSlate]:
-        """The queries as the variant's head reads them, graded by their qrels (no teacher)."""
-        cols = _columns(self.cfg, v.pooling, self.width)
-        return [StateSlate(q.slate, q.states[v.layer][:, cols]) for q in queries]  # states (N, P' * D)
-
-    def views(self, v: Variant, teacher: str | None, queries: list[CachedQuery]) -> tuple[list[StateSlate], list[StateSlate]]:
-        """-> (what the variant trains on, the same queries as the choice judges them: their qrels)."""
-        judge = self.judged(v, queries)
-        items = []
-        for q, j in zip(queries, judge):
-            x = j.states
-            perm = q.perms[teacher] if teacher else None
-            grades = j.grades(0)  # unjudged as 0, as trec_eval scores them
-            utility = None
-            depth = v.teacher_depth or self.cfg.teacher_depth
-            if v.target == "teacher":
-                utility = [float(g) for g in teacher_grades(perm, depth)]
-            elif v.target == "both":  # the judged grade (0-3) and the teacher's grade scaled to 0-3
-                utility = [g + 3.0 * t / depth for g, t in zip(grades, teacher_grades(perm, depth))]
-            items.append(StateSlate(q.slate, x, perm if v.target != "judgments" else None, utility))
-        return items, judge
-
-    def head_config(self, v: Variant) -> RankerConfig:
-        head = HeadConfig(kind="utility", positions=self.cfg.sgd_head.positions, prior="logrank") if v.fit == "ridge" else self.cfg.sgd_head
-        return dataclasses.replace(self.cfg.ranker, state_layer=v.layer, pooling=v.pooling, head=head, window=self.cfg.top_n)
-
-    def new_head(self, v: Variant) -> None:
-        torch.manual_seed(self.cfg.seed)
-        self.ranker.cfg = self.head_config(v)
-        self.ranker.head = self.ranker.new_head().to(self.ranker.device)
-
-    def fit(self, v: Variant, teacher: str | None, queries: list[CachedQuery]) -> dict[str, Any]:
-        """Fits `ranker.head` on `queries`, its settings chosen by CV over them. -> the CV record."""
-        items, judge = self.views(v, teacher, queries)
-        self.new_head(v)
-        if v.fit == "ridge":
-            return cv_ridge(self.ranker, items, judge, self.cfg.cv_folds, self.cfg.ridge_lambdas, self.cfg.prior_scales, self.cfg.rel)
-        loss = LossConfig(v.loss or TARGET_LOSS[v.target])
-        train = dataclasses.replace(self.cfg.train, seed=self.cfg.seed)
-        return cv_sgd(self.ranker, items, judge, self.cfg.cv_folds, train, loss, self.cfg.rel, lambda: self.new_head(v),
-                      0, v.sample_items)
-
-    def matrices(self, v: Variant, queries: list[CachedQuery]) -> list[np.ndarray]:
-        """The fitted head's (N, K) score matrices of `queries` (whole lists, one pass each)."""
-        return score_state_slates(self.ranker, self.judged(v, queries))
-
-
-
 def trials(cfg: DistillTextConfig) -> list[tuple[Variant, str | None]]:
     """Every (variant, teacher) to fit: a judgments-only variant once, the others once per teacher."""
     return [(v, None) if v.target == "judgments" else (v, t.name) for v in cfg.variants
@@ -262,37 +135,11 @@ FOLD_FIELDS = ("ranker", "layers", "collection", "teachers", "top_n", "folds", "
                "prior_scales", "teacher_depth", "sgd_head", "train", "rel", "seed")  # what a fold's results depend on
 
 
-@dataclass(frozen=True)
-class ShippedProbe:
-    """How the shipped `smollm2-dl19-rankvicuna` was made, read back from its folder: its ranker config (backbone,
-    cut, pooling, prompt, utility head) and the ridge weight and prior scale its recipe's CV chose."""
-
-    ranker: RankerConfig
-    ridge_lambda: float
-    prior_scale: float
-
-    @classmethod
-    def load(cls, name: str = "smollm2-dl19-rankvicuna") -> "ShippedProbe":
-        from hllm.config import from_dict
-        from hllm.model.backbones import PROVENANCE
-        from hllm.model.card import CONFIG_FILE
-        from hllm.uris import resolve_model_uri
-
-        folder = resolve_model_uri(name)
-        fit = json.loads((folder / PROVENANCE).read_text())["fit"]
-        return cls(from_dict(RankerConfig, json.loads((folder / CONFIG_FILE).read_text())), fit["ridge_lambda"], fit["prior_scale"])
-
-    def fit(self, ranker: SinglePassRanker, items: list[StateSlate]) -> None:
-        """Its closed-form probe, refitted on `items`, into `ranker`'s utility head."""
-        w, b = ridge_utility(items, self.ridge_lambda)
-        set_utility(ranker, w.to(ranker.device), b.to(ranker.device), self.prior_scale)
-
-
 def fold_key(cfg: DistillTextConfig) -> str:
     return fingerprint({k: to_dict(cfg)[k] for k in FOLD_FIELDS})
 
 
-def teacher_folds(cfg: DistillTextConfig, fitter: Fitter, queries: list[CachedQuery]) -> dict[str, Any]:
+def teacher_folds(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[CachedQuery]) -> dict[str, Any]:
     """Every trial fitted on each fold's training queries and tested on its test queries; the methods'
     choices per fold. A finished fold is kept in `output_dir/folds` (under `fold_key`): a stopped run
     resumes at the next fold. -> {"trial_orders": {trial: per query its order}, "trial_matrices": {trial:
@@ -362,32 +209,6 @@ def calibration(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[
     return fit_calibrator(mats, perms, grades, cfg.rel), sums.report()
 
 
-def per_query(slates: list[RerankRequest], orders: list[list[int]], rel: int) -> dict[str, dict[str, float]]:
-    """{metric: {qid: value}} (nDCG@10, MRR@10) over judged queries."""
-    names = {k: v for k, v in ir_measure_names(rel).items() if k in ("nDCG@10", "MRR@10")}
-    return ir_metrics_by_query(slates, orders, names)
-
-
-def oof_thresholds(matrices: list[np.ndarray], orders: list[list[int]], collection: str) -> CascadeThresholds:
-    """The cascade's thresholds of a shipped student from its out-of-fold matrices and orders: each query scored by a
-    head fitted on the other folds (one that never saw it: like traffic, not like its training queries)."""
-    return CascadeThresholds.fit([confidence(m, np.array(o)) for m, o in zip(matrices, orders)],
-                                 f"{collection}, out of fold ({len(matrices)} queries, each scored by the heads of the other teacher-folds)")
-
-
-def share_kept(student: np.ndarray, first: np.ndarray, teacher: np.ndarray, resamples: int, seed: int) -> dict[str, float]:
-    """(student - first) / (teacher - first) on the means over queries, with a 95% percentile
-    bootstrap interval over queries (scipy.stats.bootstrap, the queries resampled in pairs)."""
-    from scipy.stats import bootstrap
-
-    def ratio(s, b, t, axis=-1):
-        return (s.mean(axis) - b.mean(axis)) / (t.mean(axis) - b.mean(axis))
-
-    ci = bootstrap((student, first, teacher), ratio, paired=True, n_resamples=resamples, method="percentile",
-                   random_state=np.random.default_rng(seed), vectorized=True).confidence_interval
-    return {"share": float(ratio(student, first, teacher)), "ci_low": float(ci.low), "ci_high": float(ci.high)}
-
-
 def summarize(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[str, Any]) -> dict[str, Any]:
     """Per method and per trial: means over queries, Kendall tau to each teacher, and the share of each
     teacher's gain over the first stage that each student keeps (with its bootstrap interval)."""
@@ -396,7 +217,7 @@ def summarize(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[st
     runs |= folds["method_orders"]
     table = {}
     for name, orders in list(runs.items()) + [(f"trial:{k}", v) for k, v in folds["trial_orders"].items()]:
-        pq = per_query(slates, orders, cfg.rel)
+        pq = top10_by_query(slates, orders, cfg.rel)
         table[name] = {m: float(np.mean(list(v.values()))) for m, v in pq.items()} | {"per_query_nDCG@10": pq["nDCG@10"]}
         for t in cfg.teachers:
             table[name][f"tau_to_{t.name}"] = float(np.mean([kendall_tau(o, q.perms[t.name]) for o, q in zip(orders, queries)]))
@@ -407,7 +228,7 @@ def summarize(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[st
     return {"queries": len(qids), "table": table, "share_kept": shares}
 
 
-def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[CachedQuery], others: dict[str, list[CachedQuery]]) -> dict[str, Any]:
+def fit_everything(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[CachedQuery], others: dict[str, list[CachedQuery]]) -> dict[str, Any]:
     """Every trial fitted on every query of the teacher's collection (settings by CV over them) and tested
     on each of `others` (never trained on); each method's choice by the same CV score.
     -> {"chosen", "cv", "tests": {collection: {"queries", "methods", "trials"}}, "heads": {trial: (config, weights)},
@@ -427,7 +248,7 @@ def fit_everything(cfg: DistillTextConfig, fitter: Fitter, queries: list[CachedQ
     tests = {}
     for other, qs in others.items():
         slates = [q.slate for q in qs]
-        mean = lambda o: {m: float(np.mean(list(v.values()))) for m, v in per_query(slates, o, cfg.rel).items()}  # noqa: E731
+        mean = lambda o: {m: float(np.mean(list(v.values()))) for m, v in top10_by_query(slates, o, cfg.rel).items()}  # noqa: E731
         tests[other] = {"queries": len(slates), "methods": {"first_stage": mean(first_stage_order(slates))} |
                         {k: mean(orders[other][p]) for k, p in picks.items()},
                         "trials": {n: mean(o) for n, o in orders[other].items()}}
@@ -486,7 +307,7 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
     queries, coverage = load_queries(cfg, ranker, cfg.collection, cfg.teachers)
     others = {Path(p).name: load_queries(cfg, ranker, p, [])[0] for p in cfg.cross_year}
     width = queries[0].states[cfg.layers[0]].shape[1] // len(POOLINGS[cfg.ranker.pooling])
-    fitter = Fitter(cfg, ranker, width)
+    fitter = VariantFitter(cfg, ranker, width)
     t0 = time.perf_counter()
     folds = teacher_folds(cfg, fitter, queries)
     summary = summarize(cfg, queries, folds)

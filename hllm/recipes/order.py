@@ -24,6 +24,7 @@ way, the model card giving both figures. Writes `report.json` and `report_to` (m
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -37,8 +38,8 @@ import numpy as np
 
 from hllm.config import to_dict
 from hllm.data.order import CANONICAL, FIRST_STAGE, InputOrder, reorder
-from hllm.data.readers import read_slates
-from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query
+from hllm.data.readers import collection_name, read_slates
+from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, mean_ci
 from hllm.job.config import recipe_config, start_recipe
 from hllm.model.backbones import ModelConfig
 from hllm.model.calibration import fit_calibrator
@@ -52,6 +53,7 @@ from hllm.records import RerankRequest
 from hllm.teacher.external import external_rankings
 from hllm.train.head_fit import (StateSlate, decode_orders, fit_guard, query_folds, ridge_utilities, score_state_slates,
                                  set_utility, state_confidence)
+from hllm.train.probes import FOLD_SALT, state_columns, teacher_grades
 from hllm.train.state_cache import cached_states, states_key
 
 log = logging.getLogger("hllm")
@@ -119,10 +121,6 @@ class OrderConfig:
             raise ValueError("shuffles: orders that are not the first stage's (they are measured undeclared)")
 
 
-def collection_name(path: str) -> str:
-    return Path(path).name
-
-
 class OrderedStates:
     """Each (collection, order)'s slates and cached item states, computed once."""
 
@@ -177,9 +175,6 @@ def compute_all(cfg: OrderConfig, data: OrderedStates) -> None:
         data.items(path, InputOrder.parse(order))
 
 
-FOLD_SALT = "teacher-folds/"  # the outer folds' hash, as hllm.recipes.distilltext's (the inner CV's differs)
-
-
 class StudentViews:
     """A student's view of the cached states: its pooling's columns, its target (the teacher's ranking, by id)."""
 
@@ -197,9 +192,8 @@ class StudentViews:
     def items(self, path: str, order: InputOrder) -> list[StateSlate]:
         if (path, order) not in self._views:
             base = self.data.items(path, order)
-            parts = POOLINGS[self.cfg.ranker.pooling]
-            width = base[0].states.shape[1] // len(parts)
-            cols = [c for part in POOLINGS[self.pooling] for c in range(parts.index(part) * width, (parts.index(part) + 1) * width)]
+            width = base[0].states.shape[1] // len(POOLINGS[self.cfg.ranker.pooling])
+            cols = state_columns(self.cfg.ranker.pooling, self.pooling, width)
             utility: list[list[float] | None] = [None] * len(base)
             if self.spec.target == "teacher" and path in {self.cfg.train_on, *self.spec.ship_on}:  # fitted on: its target
                 rankings, cov = external_rankings("run", self.spec.teacher_rankings, [i.slate for i in base])
@@ -209,14 +203,6 @@ class StudentViews:
                 utility = [teacher_grades(r.permutation, self.spec.teacher_depth) for r in rankings]
             self._views[path, order] = [StateSlate(i.slate, i.states[:, cols], None, u) for i, u in zip(base, utility)]
         return self._views[path, order]
-
-
-def teacher_grades(perm: list[int], depth: int) -> list[float]:
-    """Input order -> the teacher's rank r (1-based) graded depth + 1 - r within its top `depth`, 0 below."""
-    grades = [0.0] * len(perm)
-    for rank, item in enumerate(perm[:depth]):
-        grades[item] = float(depth - rank)
-    return grades
 
 
 def ndcg_by_query(items: list[StateSlate], orders: list[list[int]], rel: int) -> np.ndarray:
@@ -239,7 +225,7 @@ class Choice:
     cv_first_stage: float
 
 
-class Fitter:
+class AugmentedFitter:
     """Fits a student's closed-form probe on some queries in some orders, and ranks others, from cached states."""
 
     def __init__(self, cfg: OrderConfig, spec: StudentSpec, views: StudentViews, student: SinglePassRanker):
@@ -293,30 +279,14 @@ class Fitter:
 
     def unguarded(self):
         guard = getattr(self.student.head, "guard", None)
-        return guard.suspended() if guard is not None else _Nothing()
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def ci(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean over queries (scipy.stats.bootstrap)."""
-    from scipy.stats import bootstrap
-
-    out = bootstrap((values,), np.mean, n_resamples=resamples, method="percentile", random_state=seed)
-    return float(out.confidence_interval.low), float(out.confidence_interval.high)
+        return guard.suspended() if guard is not None else contextlib.nullcontext()
 
 
 SERVED = "shuffled, as served"  # undeclared: read in the canonical order, whatever the arrival order
 ARRIVED = "shuffled, read as they arrived"  # the ablation: each shuffle's causal prompt in its own order
 
 
-def served_orders(fitter: Fitter, path: str, index: list[int], order: InputOrder) -> list[list[int]]:
+def served_orders(fitter: AugmentedFitter, path: str, index: list[int], order: InputOrder) -> list[list[int]]:
     """The queries `index` of `path` arriving in `order`, undeclared, as the served path ranks them: each list read in
     its canonical order (one prompt per set: the canonical order's cached states) -> orders as indices into the list as
     it arrived. Checks that the list's canonical reading is the cached prompt's, text for text (documents of identical
@@ -334,7 +304,7 @@ def served_orders(fitter: Fitter, path: str, index: list[int], order: InputOrder
     return out
 
 
-def robustness(fitter: Fitter, path: str, index: list[int], orders: list[InputOrder], cfg: OrderConfig) -> dict[str, Any]:
+def robustness(fitter: AugmentedFitter, path: str, index: list[int], orders: list[InputOrder], cfg: OrderConfig) -> dict[str, Any]:
     """The fitted student on the queries `index` of `path`, each figure with its bootstrap interval: the first stage's
     own; the first stage's order declared; undeclared as served (every order read in its canonical order), per order
     and over the shuffles (mean, spread); and, for the ablation, each order read as it arrived (the causal prompt in
@@ -343,7 +313,7 @@ def robustness(fitter: Fitter, path: str, index: list[int], orders: list[InputOr
     rows: dict[str, Any] = {}
 
     def row(values: np.ndarray) -> dict[str, Any]:
-        lo, hi = ci(values, cfg.bootstrap, cfg.seed)
+        lo, hi = mean_ci(values, cfg.bootstrap, cfg.seed)
         return {"nDCG@10": float(values.mean()), "ci95": [lo, hi], "queries": len(values)}
 
     def itself(items: list[StateSlate]) -> np.ndarray:
@@ -408,7 +378,7 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
     student = SinglePassRanker.load(spec.folder)
     student.eval()
     views = StudentViews(cfg, spec, data, student)
-    fitter = Fitter(cfg, spec, views, student)
+    fitter = AugmentedFitter(cfg, spec, views, student)
     n_train, n_test = len(data.slates(cfg.train_on)), len(data.slates(cfg.test_on))
     train_all, test_all = list(range(n_train)), list(range(n_test))
     ids = [s.slate_id for s in data.slates(cfg.train_on)]
@@ -484,7 +454,7 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
     return out
 
 
-def ship(cfg: OrderConfig, spec: StudentSpec, fitter: Fitter, out: dict[str, Any]) -> dict[str, Any]:
+def ship(cfg: OrderConfig, spec: StudentSpec, fitter: AugmentedFitter, out: dict[str, Any]) -> dict[str, Any]:
     """The chosen variant fitted on `spec.ship_on` and saved over the student's folder: its head (and guard), cascade
     thresholds, calibration; its model card's figures and provenance rewritten (the run before it kept in provenance)."""
     student, views = fitter.student, fitter.views
@@ -551,8 +521,8 @@ def ship(cfg: OrderConfig, spec: StudentSpec, fitter: Fitter, out: dict[str, Any
 STALE = ("transfer", "guard", "teacher_folds", "cross_year", "relevance_score", "cv_nDCG@10", "cv_first_stage_nDCG@10")
 
 
-def _choose_many(fitter: Fitter, paths: list[str], aug: str, rule: str) -> Choice:
-    """`Fitter.choose` over several collections' queries at once (their items concatenated under one path key)."""
+def _choose_many(fitter: AugmentedFitter, paths: list[str], aug: str, rule: str) -> Choice:
+    """`AugmentedFitter.choose` over several collections' queries at once (their items concatenated under one path key)."""
     joint = "+".join(paths)
     for order in {InputOrder.parse(o) for o in fitter.cfg.augmentations[aug]} | {FIRST_STAGE, *fitter.shuffles}:
         fitter.views._views[joint, order] = [i for p in paths for i in fitter.views.items(p, order)]

@@ -39,20 +39,19 @@ import torch
 
 from hllm.config import to_dict
 from hllm.data.cache import fingerprint
-from hllm.data.readers import read_slates
-from hllm.data.splits import unit_hash
+from hllm.data.readers import collection_name, read_slates
+from hllm.data.splits import split_by_hash
 from hllm.eval.evaluation import first_stage_order, quality
 from hllm.eval.runfile import relevance_threshold
 from hllm.model.backbones import ModelConfig
-from hllm.model.confidence import CascadeThresholds
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.model.card import ModelCard, PromptCard, write_model_card, write_provenance
 from hllm.job.config import recipe_config, start_recipe
-from hllm.records import RerankRequest
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, guarded_orders, state_confidence
+from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, guarded_orders
 from hllm.train.loop import LossConfig, TrainConfig
+from hllm.train.probes import in_sample_thresholds
 from hllm.train.state_cache import cached_states, states_key
 
 log = logging.getLogger("hllm")
@@ -122,15 +121,6 @@ class RealTextConfig:
                                  f"got ranker.head.kind={head.kind!r}, ranker.head.prior={head.prior!r}")
             if self.cv_folds < 2:
                 raise ValueError("fit=ridge chooses its L2 weight and prior scale by cross-validation: cv_folds >= 2")
-
-
-def collection_name(path: str) -> str:
-    return Path(path).name
-
-
-def split_by_hash(slates: list[RerankRequest], fraction: float) -> tuple[list[RerankRequest], list[RerankRequest]]:
-    """-> (queries with a hash >= fraction, the others): the same split on every machine."""
-    return [s for s in slates if unit_hash(s.slate_id) >= fraction], [s for s in slates if unit_hash(s.slate_id) < fraction]
 
 
 class Collections:
@@ -329,12 +319,6 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
                      fit={k: v for k, v in record.items() if k != "cv_grid"},
                      transfer=[{"collection": t["collection"], **transfer_figures(t)} for t in transfer])
     return record, transfer
-
-
-def in_sample_thresholds(ranker: SinglePassRanker, items: list[StateSlate], collections: list[str]) -> CascadeThresholds:
-    """The cascade's thresholds of a student fitted on `items`: its confidence on those very queries. In sample it
-    is surer than on new queries, so a share asked of it escalates more of new traffic than that share."""
-    return CascadeThresholds.fit(state_confidence(ranker, items), f"{' + '.join(collections)}: the queries it was fitted on (in sample)")
 
 
 def transfer_figures(t: dict[str, Any]) -> dict[str, Any]:

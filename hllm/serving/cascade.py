@@ -80,12 +80,24 @@ class CascadeRule:
         return {q for v, q in values if v < self.threshold}
 
 
+@dataclass(frozen=True)
+class CascadeRun:
+    """What an offline cascade did to a student's run."""
+
+    queries: int
+    escalated: int  # chosen by the rule for the teacher
+    teacher: int  # of those, answered by the teacher
+    teacher_missing: int  # of those, no teacher ranking: the student's order stands
+    signal: str  # the rule's confidence signal
+    teacher_figures: dict[str, Any]  # the teacher's own counts (`rank_summarized`), e.g. a served one's `endpoint`
+
+
 def cascade(student_run: str | Path, notes_path: str | Path, slates: Sequence[RerankRequest], teacher, rule: CascadeRule,
-            out: str | Path, tag: str = "hllm-cascade") -> dict[str, Any]:
+            out: str | Path, tag: str = "hllm-cascade") -> CascadeRun:
     """The student's run, with the queries `rule` escalates ranked by `teacher` (any teacher's `rank_summarized`: a
     rankings file, a job's AR teacher, a served one) instead -> `out` (atomically), and the notes rewritten with who
     answered each query (`student`, `teacher`, or `student_teacher_missing` where the teacher had no ranking).
-    -> counts: queries, escalated, answered by the teacher, teacher missing."""
+    -> the counts (`CascadeRun`)."""
     from hllm.data.readers import read_run
     from hllm.eval.runfile import atomic_write, run_lines
 
@@ -109,8 +121,7 @@ def cascade(student_run: str | Path, notes_path: str | Path, slates: Sequence[Re
     for n in notes:
         n["escalated"], n["answered_by"] = n["qid"] in chosen, answered[n["qid"]]
     atomic_write(notes_path, "".join(json.dumps(n) + "\n" for n in notes))
-    return {"queries": len(slates), "escalated": len(chosen), "teacher": len(teacher_order),
-            "teacher_missing": len(chosen) - len(teacher_order), "signal": rule.signal, "teacher_figures": figures}
+    return CascadeRun(len(slates), len(chosen), len(teacher_order), len(chosen) - len(teacher_order), rule.signal, figures)
 
 
 def fit_thresholds(reranker, slates: Sequence[RerankRequest], source: str) -> CascadeThresholds:

@@ -2,7 +2,7 @@
 
 One loop (`train_loop`) serves every path: the student in one process (`train_student`, a torch
 AdamW), the student on Ray Train workers (the same loop, stepping a DeepSpeed engine passed in by
-`pipelines/distill.py`), and the teacher bootstrap.
+`pipelines/train_student.py`), and the teacher bootstrap.
 
 Teacher bootstrap: no pretrained ranker can be downloaded for the embedded default, so the tiny
 causal LM is fine-tuned to *write* the gold ranking `[3] > [1] > ...</s>` after the prompt. With

@@ -1,6 +1,6 @@
 """The single-process job: data -> teacher bootstrap -> teacher rankings -> student -> evaluation.
 
-    python -m hllm.recipes.workflow [--config configs/default.yaml] [key=value ...]
+    python -m hllm.recipes.local_job [--config configs/default.yaml] [key=value ...]
 
 A recipe: it only calls the stages (`hllm.job.stages`) in order, in this process; nothing imports it.
 The Ray pipeline (`pipelines/full.py`) calls the same stages with Ray Data generation and Ray

@@ -8,7 +8,7 @@ from hllm import Reranker
 from hllm.config import load_config
 from hllm.job.config import JobConfig
 from hllm.job.stages import summary_lines
-from hllm.recipes.workflow import run
+from hllm.recipes.local_job import run
 
 TINY_JOB = [
     "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=16",

@@ -15,7 +15,7 @@ from hllm.config import load_config
 from hllm.data import store
 from hllm.job.config import student_ranker_config
 from hllm.job.stages import evaluate_stage, load_teacher
-from pipelines import distill, teacher_gen
+from pipelines import teacher_gen, train_student
 from pipelines.common import PipelineConfig
 
 from conftest import SEED, copy_job
@@ -128,7 +128,7 @@ def test_killed_worker_resumes_from_the_latest_checkpoint(tiny_job, tmp_path):
     killed: list = []
     killer = threading.Thread(target=_kill_one_worker_after_first_checkpoint, args=(tmp_path / "ray_train", killed))
     killer.start()
-    result = distill.train(cfg, student_ranker_config(cfg, teacher_model), rankings["train"].directory,
+    result = train_student.train(cfg, student_ranker_config(cfg, teacher_model), rankings["train"].directory,
                            rankings["val"].directory)
     killer.join()
     assert killed, "no Ray Train worker was found to kill"

@@ -1,7 +1,7 @@
 """Distillation: Ray Train + DeepSpeed trains the single-pass student on the teacher's rankings.
 
-    ray job submit --working-dir . -- python pipelines/distill.py [--config configs/default.yaml] [key=value ...]
-    python pipelines/distill.py cluster.train_workers=2           # local Ray, 2 CPU workers
+    ray job submit --working-dir . -- python pipelines/train_student.py [--config configs/default.yaml] [key=value ...]
+    python pipelines/train_student.py cluster.train_workers=2           # local Ray, 2 CPU workers
 
 The library's student stage (`hllm.job.stages.train_student_stage`) decides whether to train and
 records the result; this module supplies the fit: each Ray Train worker builds the student from
@@ -40,7 +40,7 @@ from pipelines import console  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics,  # noqa: E402
                               mlflow_run, parse_job, tracking_uri)
 
-log = logging.getLogger("hllm.pipelines.distill")
+log = logging.getLogger("hllm.pipelines.train_student")
 
 
 def say(line: str) -> None:

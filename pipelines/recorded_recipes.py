@@ -1,0 +1,173 @@
+"""The real-text recipes recorded in MLflow: a parent run with the recipe's report and headline figures, a child run per
+variant or student with its settings as params, so the ablation compares in MLflow's UI like the embedded grid's cells.
+
+    hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml [key=value ...] [tracking.experiment=...]
+    hllm adaptation --config configs/adaptation/dl19-multistage.yaml [key=value ...] [tracking.experiment=...]
+    hllm distilltext --config ... --report runs/distilltext/report.json   # record a finished run's report (same for adaptation)
+
+- distilltext (`hllm.recipes.distilltext`): the parent holds the methods' teacher-folds and cross-year figures and the
+  calibration; a child per trial (a variant fitted on one teacher, or on the judgments).
+- adaptation (`hllm.recipes.adaptation`): the parent holds the first stage's and teacher's figures per stage; a child per
+  student (its backbone, kind, cut, LoRA and training settings as params; nDCG@10, tau, change from the first stage and
+  share kept per stage, raw and blended with the first stage; seconds a fold and each fold's last loss).
+
+The recipe runs in this process (its states are cached; a stopped run resumes); MLflow's store defaults to sqlite
+under the recipe's output_dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hllm.config import to_dict
+from hllm.data.cache import fingerprint
+from hllm.recipes import adaptation, distilltext
+from hllm.recipes.adaptation import BLENDED, StudentSpec
+from hllm.recipes.distilltext import trial_name, trials
+from hllm.train.probes import Variant
+from pipelines.common import RecipeJob, TrackingConfig, log_metrics, mlflow_run, parse_recipe_job
+
+log = logging.getLogger("hllm")
+
+
+@dataclass
+class TrialRun:
+    """A child run's params: the variant and the teacher it learned from."""
+
+    variant: Variant
+    teacher: str  # "judgments" for a judgments-only variant
+    output_dir: str
+    tracking: TrackingConfig
+
+
+def log_distilltext(job: RecipeJob, report: dict[str, Any]) -> str:
+    """The parent run and one child per trial; -> the parent's run id."""
+    import mlflow
+
+    cfg, folds, cross = job.recipe, report["teacher_folds"], report["cross_year"]
+    table = folds["table"]
+    with mlflow_run(job, "distilltext", **{"hllm.collection": report["collection"]}) as parent:
+        mlflow.log_dict(report, "report.json")
+        log_metrics({"queries": folds["queries"]})
+        for name, row in table.items():
+            if not name.startswith("trial:"):
+                log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix=f"folds.{name}.")
+        for name, share in folds["share_kept"].items():
+            log_metrics(share, prefix=f"folds.{name}.share_kept.")
+        for collection, test in cross["tests"].items():
+            for name, m in test["methods"].items():
+                log_metrics(m, prefix=f"cross.{collection}.{name}.")
+        cal = report["calibration"]
+        log_metrics({"ece_held_out_queries": cal["oof"]["ece"]} | {f"ece.{c}": r["ece"] for c, r in cal["cross_year"].items()},
+                    prefix="calibration.")
+        parent_id = parent.info.run_id
+        for v, teacher in trials(cfg):
+            name = trial_name(v, teacher)
+            child = TrialRun(v, teacher or "judgments", cfg.output_dir, dataclasses.replace(job.tracking, run_name=name))
+            chosen = sum(name in c.values() for c in folds["chosen"])
+            with mlflow_run(child, "distilltext-trial", parent_id, **{"ablation.variant": name, "ablation.kind": "trial",
+                                                                      "ablation.target": v.target}):
+                row = table[f"trial:{name}"]
+                log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
+                log_metrics({"folds_chosen": chosen, **cross["cv"][name]})
+                for f, cv in enumerate(folds["cv"]):
+                    log_metrics(cv[name], step=f, prefix="fold_cv.")
+                for collection, test in cross["tests"].items():
+                    log_metrics(test["trials"][name], prefix=f"cross.{collection}.")
+    return parent_id
+
+
+@dataclass
+class StudentRun:
+    """A child run's params: the student's spec."""
+
+    student: StudentSpec
+    output_dir: str
+    tracking: TrackingConfig
+
+
+def _figures(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "per_query"}
+
+
+def log_adaptation(job: RecipeJob, report: dict[str, Any]) -> str:
+    """The parent run and one child per student; -> the parent's run id."""
+    import mlflow
+
+    cfg, table = job.recipe, report["table"]
+    with mlflow_run(job, "adaptation", **{"hllm.data": Path(cfg.data).name}) as parent:
+        mlflow.log_dict(report, "report.json")
+        mlflow.log_text(adaptation.markdown(cfg, report), "report.md")
+        log_metrics({"queries": report["queries"], "seconds": report["seconds"]})
+        for stage, rows in table.items():
+            for name in ("first_stage", "teacher"):
+                log_metrics(_figures(rows[name]), prefix=f"{stage}.{name}.")
+        parent_id = parent.info.run_id
+        for s in cfg.students:
+            child = StudentRun(s, cfg.output_dir, dataclasses.replace(job.tracking, run_name=s.name))
+            with mlflow_run(child, "adaptation-student", parent_id, **{"ablation.variant": s.name, "ablation.kind": s.kind,
+                                                                       "ablation.backbone": s.model.preset}):
+                for stage, rows in table.items():
+                    for suffix in ("", BLENDED):
+                        if s.name + suffix in rows:
+                            log_metrics(_figures(rows[s.name + suffix]), prefix=f"{stage}.{'blended' if suffix else 'raw'}.")
+                for f, seconds in enumerate(report["fold_seconds"][s.name]):
+                    log_metrics({"fold_seconds": seconds} | {f"last_{k}": v for k, v in report["history"][s.name][f].items()
+                                                             if k in ("loss", "elapsed_s")}, step=f)
+                for stage, weights in report["first_stage_weights"][s.name].items():
+                    for f, w in enumerate(weights):
+                        log_metrics({f"first_stage_weight.{stage}": min(w, 1e9)}, step=f)
+    return parent_id
+
+
+@dataclass(frozen=True)
+class RecordedRecipe:
+    """How one recipe is run and recorded."""
+
+    config: type
+    example: str  # its shipped config
+    tracking: list[str]  # tracking.key=value defaults (the command line's win)
+    run: Callable[[Any], dict[str, Any]]  # -> the report ({} when there is nothing to record, e.g. only=cache)
+    made_by: Callable[[Any], Any]  # the config as the report names it (report["config"])
+    headline: Callable[[Any, dict[str, Any]], str]
+    log_report: Callable[[RecipeJob, dict[str, Any]], str]  # -> the parent run's id
+    children: Callable[[Any, dict[str, Any]], str]  # what the child runs are, for the last line
+
+
+RECIPES = {
+    "distilltext": RecordedRecipe(distilltext.DistillTextConfig, "configs/distilltext/smollm2-dl19-rankvicuna.yaml",
+                                  ["experiment=hllm-distilltext", "registered_model=null"], distilltext.run, fingerprint,
+                                  lambda cfg, r: "\n".join(distilltext.summary_lines(cfg, r)), log_distilltext,
+                                  lambda cfg, r: f"{len(r['cross_year']['cv'])} trials as children"),
+    "adaptation": RecordedRecipe(adaptation.AdaptationConfig, "configs/adaptation/dl19-multistage.yaml",
+                                 ["experiment=hllm-adaptation", "registered_model=null"], adaptation.run, to_dict,
+                                 adaptation.markdown, log_adaptation, lambda cfg, r: f"{len(cfg.students)} students as children"),
+}
+
+
+def main(name: str, argv: list[str] | None = None) -> None:
+    """Runs the recipe `name` (or reads its finished report with `--report`), prints its headline, records it."""
+    spec = RECIPES[name]
+    recipe, tracking, report_path = parse_recipe_job(spec.config, __doc__, spec.tracking, spec.example, argv)
+    job = RecipeJob(recipe, tracking)
+    t0 = time.perf_counter()
+    if report_path:
+        report = json.loads(Path(report_path).read_text())
+        if report["config"] != spec.made_by(recipe):
+            raise ValueError(f"{report_path} was made under another config than the one given with these overrides: "
+                             "run the recipe, or give the config that made it")
+    else:
+        log.info("config: %s", json.dumps(to_dict(recipe)))
+        report = spec.run(recipe)
+        if not report:  # only=cache: nothing to record
+            return
+    print(spec.headline(recipe, report))
+    parent = spec.log_report(job, report)
+    print(f"mlflow parent run {parent} ({spec.children(recipe, report)}); total {time.perf_counter() - t0:.0f}s")
