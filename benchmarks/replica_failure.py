@@ -4,7 +4,7 @@ one replica SIGKILLed; failed requests (goal <= 1%) and time to recover.
     python benchmarks/replica_failure.py --model-dir runs/default/student [--clients 4] [--duration 40]
 
 Prints the figures and writes `reports/replica_failure.md`. The same drill runs at tiny scale in
-tests/test_serve.py.
+tests/serve/test_serve.py.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ THIN_INGRESS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRE
 # kills it after three misses: on a machine whose cores another job keeps busy, HAProxy's proxy
 # actor missed it and `serve.start` raised ActorDiedError. Ray's actors run at nice 15, so two plain
 # busy loops on 2 cores leave them a few percent of the CPU: with 5 s, serve.start failed after 66 s;
-# with 120 s the proxies were healthy after 98 s (tests/test_flywheel.py starts Serve so, each run).
+# with 120 s the proxies were healthy after 98 s (tests/pipelines/test_flywheel.py starts Serve so, each run).
 # A patient check costs nothing on an idle machine (the proxy answers as soon as it is up); the
 # health check gets slack too, so a proxy stalled by load is not restarted mid-swap. Read by the controller when Ray starts. `start_serve` outlasts
 # serve.start's own 60 s wait for the proxies (not configurable) by starting again.

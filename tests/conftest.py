@@ -18,7 +18,7 @@ from hllm.model.backbones import ModelConfig, load_backbone
 from teacher_server import API_KEY
 
 # the served teacher's key, in the environment before the session's Ray starts, so its workers read it as
-# a deployment's would (never in a config): tests/test_endpoint_teacher.py
+# a deployment's would (never in a config): tests/hllm/teacher/test_endpoint_teacher.py
 os.environ.setdefault("HLLM_TEST_TEACHER_KEY", API_KEY)
 
 FAST_TIER = "not slow and not gpu"  # pyproject's default -m: plain `pytest`
@@ -64,6 +64,19 @@ def _tiny_backbone():
 def tiny_backbone(_tiny_backbone):
     model, tokenizer = _tiny_backbone
     return copy.deepcopy(model), tokenizer
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory) -> Path:
+    """A tiny untrained student saved to a folder (LoRA r=2, K=4), once per module."""
+    from hllm.model.heads import HeadConfig
+    from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
+
+    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(lora_r=2, lora_alpha=4),
+                                                 head=HeadConfig(positions=4, width=32, num_heads=2)))
+    path = tmp_path_factory.mktemp("student")
+    ranker.save(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -208,3 +208,20 @@ def test_serve_has_no_import_cycle():
         graph[f"serve.{f.stem}"] = {t for n in top for t, _ in imported_from(n) if t.startswith("serve.")}
     assert "serve.app" not in set().union(*graph.values()), {m: t for m, t in graph.items() if "serve.app" in t}
     assert all(t in ("serve.common", "serve.schemas") for t in graph["serve.students"]), graph["serve.students"]
+
+
+def test_the_tests_mirror_the_project():
+    """A test file lives beside what it tests: tests/hllm/<layer>/, tests/pipelines/, tests/serve/, tests/deploy/,
+    tests/benchmarks/; only this file (the whole project's layering) sits at the top."""
+    tests = ROOT / "tests"
+    misplaced = []
+    for f in sorted(tests.rglob("test_*.py")):
+        parts = f.relative_to(tests).parts
+        ok = (parts == ("test_purity.py",) or (len(parts) == 2 and parts[0] in ("pipelines", "serve", "deploy", "benchmarks"))
+              or (len(parts) == 3 and parts[0] == "hllm" and parts[1] in LAYERS and (LIBRARY / parts[1]).is_dir())
+              or (len(parts) == 3 and parts[:2] == ("hllm", "reranker")))
+        if not ok:
+            misplaced.append(str(f.relative_to(ROOT)))
+    assert misplaced == [], misplaced
+    names = [f.name for f in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test files of one name (pytest imports them by their base name)"

@@ -9,7 +9,7 @@ one closed Parquet file per flush, atomically (temp file + rename), under a fold
 So a request only appends to a list (it never waits on the disk), a reader never sees half a file,
 and a replica killed with SIGKILL loses at most what was not yet on disk: its buffer (fewer than
 `flush_records` records, or `flush_seconds` of its traffic) and, if the kill lands during a write,
-the batch being written (tests/test_traffic.py: 17 to 50 of 530 records lost at flush_records=50). Files are rotated by construction (closed at every
+the batch being written (tests/hllm/data/test_traffic.py: 17 to 50 of 530 records lost at flush_records=50). Files are rotated by construction (closed at every
 flush); retention deletes the oldest past `retention_days` or `retention_bytes`. A failed write is
 retried at the next flush; a buffer past `max_buffer` drops its oldest records, counted.
 

@@ -19,9 +19,9 @@ from hllm.train.probes import teacher_grades
 from hllm.reranker import Reranker
 
 from conftest import TINY
-from test_cli import _beir
+from builders import beir_folder as _beir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _teacher_run(root: Path, noise: int) -> Path:

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT.parent / "shared" / "kuberay" / "crds"
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted((DEPLOY / "kuberay").glob("*.yaml"))

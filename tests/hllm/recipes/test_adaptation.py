@@ -23,7 +23,7 @@ from hllm.records import Candidate, Query, RerankRequest
 from hllm.train.head_fit import query_folds
 from hllm.train.state_cache import StaleStates, cached_prefix_states, compute_prefix
 
-from test_cli import _beir
+from builders import beir_folder as _beir
 
 SLATE = RerankRequest(Query("q1", "boots for hiking"), [Candidate(f"d{i}", f"passage {i} about hiking boots and trails")
                                                          for i in range(6)])

@@ -1,6 +1,5 @@
 """The traffic log (hllm.data.traffic) and the flywheel's library steps (hllm.job.refresh), without Ray."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,13 +16,9 @@ from hllm.records import ParseCounts, RankedSlate, TeacherRanking
 from hllm.data.traffic import (SCHEMA, TrafficLog, TrafficLogConfig, TrafficRecord, clean_rows, log_files, read_log, row_status,
                                scan)
 
-ROOT = Path(__file__).resolve().parents[1]
+from builders import traffic_record as record
 
-
-def record(i: int, key: str = "k1", docs=None, order=None, warnings=()) -> TrafficRecord:
-    docs = docs or [f"doc {i} a", f"doc {i} b", f"doc {i} c"]
-    return TrafficRecord(f"r{i}", time.time(), "models:/m/1", key, f"query {i}", docs, order or [2, 0, 1],
-                         [0.9, 0.5, 0.1], len(docs), 12.5, 0.0, list(warnings))
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_flushed_by_size_and_by_time_one_closed_file_each(tmp_path):

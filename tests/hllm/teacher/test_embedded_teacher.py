@@ -4,7 +4,7 @@ their first-stage order; and `hllm export-teacher`, which makes such a folder fr
 import json
 
 import pytest
-from test_local_job import TINY_JOB
+from builders import ONE_PROCESS_JOB as TINY_JOB
 
 from hllm.config import load_config
 from hllm.data.synthetic import SyntheticConfig, generate

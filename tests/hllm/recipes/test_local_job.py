@@ -10,17 +10,7 @@ from hllm.job.config import JobConfig
 from hllm.job.stages import summary_lines
 from hllm.recipes.local_job import run
 
-TINY_JOB = [
-    "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=16",
-    "data.synthetic.val_slates=2", "data.synthetic.test_slates=6",
-    "teacher.model.hidden_size=32", "teacher.model.layers=1", "teacher.model.heads=2",
-    "teacher.model.intermediate_size=64", "teacher.model.context_length=256",
-    "teacher.bootstrap_cfg.train.steps=3", "teacher.bootstrap_cfg.train.batch_size=4",
-    "student.head.positions=6", "student.head.width=32", "student.adapt.lora_r=2",
-    "student.train.steps=3", "student.train.batch_size=4", "eval.latency_requests=2", "eval.latency_warmup=1",
-    # a teacher of a few steps (or none) copies its input: the gates that stop that (tests/test_store.py) are off
-    "student.max_teacher_same_as_input=1.0", "student.max_teacher_tau_to_input=1.0",
-]
+from builders import ONE_PROCESS_JOB as TINY_JOB
 
 
 def test_job_runs_and_resumes(tmp_path):

@@ -18,7 +18,7 @@ from hllm.reranker import Reranker
 from pipelines.cli import main as cli
 
 from conftest import TINY
-from test_cli import _beir
+from builders import beir_folder as _beir
 
 
 def test_orders_parse_and_permute_the_same_way_on_every_run():

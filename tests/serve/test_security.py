@@ -10,7 +10,7 @@ import torch
 
 from hllm.model.backbones import ModelConfig, load_backbone, save_backbone
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

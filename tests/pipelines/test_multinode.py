@@ -11,7 +11,7 @@ import pytest
 from test_pipeline_train_student import JOB
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_teacher_actors_and_train_workers_use_both_nodes(tmp_path):

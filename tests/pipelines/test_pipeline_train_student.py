@@ -33,7 +33,7 @@ JOB = [
     "student.head.positions=6", "student.head.width=32", "student.adapt.lora_r=2",
     "student.train.batch_size=4", "student.train.warmup_steps=1",
     "eval.latency_requests=2", "eval.latency_warmup=1", "distill.zero_stage=2",
-    # a teacher of a few steps (or none) copies its input: the gates that stop that (tests/test_store.py) are off
+    # a teacher of a few steps (or none) copies its input: the gates that stop that (tests/hllm/data/test_store.py) are off
     "student.max_teacher_same_as_input=1.0", "student.max_teacher_tau_to_input=1.0",
 ]
 

@@ -12,9 +12,9 @@ from hllm.reranker import Reranker
 from pipelines.cli import main as cli
 
 from conftest import TINY
-from test_cli import _beir
+from builders import beir_folder as _beir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 REALTEXT_CONFIGS = sorted((ROOT / "configs" / "realtext").glob("*.yaml"))
 
 

@@ -12,7 +12,7 @@ from hllm.model.decoding import DECODERS
 from hllm.serving.cascade import CascadeRule
 
 from conftest import gold_run
-from test_cli import _beir, student  # noqa: F401 (the module's tiny student fixture)
+from builders import beir_folder as _beir
 
 
 def brute_margin(scores: np.ndarray, order: np.ndarray, k: int) -> float:
@@ -115,7 +115,7 @@ def test_the_cascade_benchmarks_curves_bracket_random_and_oracle():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
     import cascade as bench
 
     rng = np.random.default_rng(0)

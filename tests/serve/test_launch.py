@@ -16,7 +16,7 @@ import requests
 from pipelines.cli import main as cli
 from serve.launch import Plan, plan, routes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

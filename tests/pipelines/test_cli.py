@@ -8,46 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hllm.model.heads import HeadConfig
-from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from pipelines.cli import main
 
+from builders import WORDS, beir_folder as _beir
 from conftest import TINY
-
-WORDS = ["acme", "zenith", "kairo", "red", "blue", "green", "leather", "cotton", "wool", "boots", "shirt", "backpack"]
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory) -> Path:
-    ranker = SinglePassRanker.build(RankerConfig(model=TINY, adapt=AdaptConfig(lora_r=2, lora_alpha=4),
-                                                 head=HeadConfig(positions=4, width=32, num_heads=2)))
-    path = tmp_path_factory.mktemp("student")
-    ranker.save(path)
-    return path
-
-
-def _beir(root: Path, queries: int = 3, docs: int = 10, judged_extra: str | None = None) -> Path:
-    """A tiny BEIR folder: `queries` queries with `docs` candidates each in the run."""
-    (root / "qrels").mkdir(parents=True)
-    (root / "runs").mkdir()
-    with open(root / "corpus.jsonl", "w") as fh:
-        for d in range(queries * docs):
-            text = " ".join(WORDS[(d * k) % len(WORDS)] for k in (1, 3, 5))
-            fh.write(json.dumps({"_id": f"d{d}", "title": "", "text": text}) + "\n")
-    qids = [f"q{q}" for q in range(queries)] + ([judged_extra] if judged_extra else [])
-    with open(root / "queries.jsonl", "w") as fh:
-        for q, qid in enumerate(qids):
-            fh.write(json.dumps({"_id": qid, "text": f"{WORDS[q]} {WORDS[q + 3]} boots"}) + "\n")
-    qrels = ["query-id\tcorpus-id\tscore"] + [f"q{q}\td{q * docs + d}\t{(d * 7 + q) % 4}" for q in range(queries)
-                                             for d in range(docs)]
-    if judged_extra:
-        qrels.append(f"{judged_extra}\td0\t3")
-    (root / "qrels" / "test.tsv").write_text("\n".join(qrels) + "\n")
-    run = ["query-id\tcorpus-id\trank\tscore"] + [f"q{q}\td{q * docs + d}\t{d + 1}\t{100 - d}" for q in range(queries)
-                                                 for d in range(docs)]
-    (root / "runs" / "bm25_top100.tsv").write_text("\n".join(run) + "\n")
-    return root
-
 
 def _read_run(path: Path) -> dict[str, list[str]]:
     run: dict[str, list[tuple[int, str, float]]] = {}
@@ -261,7 +225,7 @@ def test_config_show_documents_every_key(capsys):
     assert main(["config", "show"]) == 0
     shown = capsys.readouterr().out
     assert "data.top_n = 20\n    file sources: first-stage candidates per slate (N)" in shown
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "dl19-smollm2.yaml")
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "dl19-smollm2.yaml")
     assert main(["config", "show", "--config", config, "student.train.steps=7"]) == 0
     shown = capsys.readouterr().out
     assert 'teacher.model.preset = "smollm2-135m"  (default "tiny")' in shown and "student.train.steps = 7  (default 300)" in shown

@@ -6,7 +6,7 @@ import yaml
 from hllm.config import ConfigError, flatten, load_config, parse_overrides
 from hllm.job.config import JobConfig
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
 
 
 def test_defaults_and_overrides_win():

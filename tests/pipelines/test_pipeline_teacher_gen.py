@@ -17,7 +17,7 @@ from pipelines import teacher_gen
 from pipelines.common import PipelineConfig
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 GEN_JOB = [
     "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=48",

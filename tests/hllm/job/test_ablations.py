@@ -11,7 +11,7 @@ from hllm.job.ablations import AblationConfig, aggregate, decoder_comparison, ex
 from hllm.job.config import JobConfig
 from pipelines.reports import markdown_report, write_csv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 GRIDS = sorted((ROOT / "configs" / "grids").glob("*.yaml"))
 
 

@@ -216,7 +216,7 @@ def test_files_before_and_after_the_cascade_columns_read_together_through_ray_da
     import pyarrow.parquet as pq
 
     from hllm.data.traffic import OPTIONAL, TrafficLog, TrafficLogConfig
-    from test_traffic import record
+    from builders import traffic_record as record
 
     log = TrafficLog(TrafficLogConfig(str(tmp_path), flush_records=100, flush_seconds=60))
     escalated = record(1)
