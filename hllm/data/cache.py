@@ -20,6 +20,12 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def fields_key(config: Any, fields: tuple[str, ...], *extra: Any) -> str:
+    """The fingerprint of a config's named fields (what a cached result depends on, no more), and of `extra`."""
+    whole = to_dict(config)
+    return fingerprint({k: whole[k] for k in fields}, *extra)
+
+
 def stage_info(directory: str | Path) -> dict[str, Any] | None:
     """The `stage.json` of a finished stage, or None."""
     marker = Path(directory) / "stage.json"

@@ -9,9 +9,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hllm.model.backbones import GGUF_FILES, PROVENANCE, ModelConfig, file_sha256, gguf_path, weights_dir
+
+if TYPE_CHECKING:  # the saved objects' own modules import this one
+    from hllm.model.calibration import Calibrator
+    from hllm.model.confidence import CascadeThresholds
+    from hllm.model.ranker import SinglePassRanker
 
 CONFIG_FILE = "hllm_ranker.json"  # the student's own config (hllm.model.ranker)
 CARD_FILE = "model_card.json"  # what the model knows (written by the recipe that saved it; optional)
@@ -87,6 +92,21 @@ def write_provenance(directory: str | Path, model: ModelConfig, made_by: str, re
                        "sha256": file_sha256(base_file) if base_file else None},
     }
     (target / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def ship_student(directory: str | Path, ranker: SinglePassRanker, card: ModelCard, thresholds: CascadeThresholds,
+                 made_by: str, recipe: dict, calibrator: Calibrator | None = None, **measured: Any) -> Path:
+    """A shipped student's folder, whole, in the one order that keeps its provenance true: the weights and config, the
+    cascade thresholds, the calibration (where one was fitted), the model card, then `provenance.json` (which hashes
+    the files written before it). -> the folder."""
+    target = Path(directory)
+    ranker.save(target)
+    thresholds.save(target)
+    if calibrator is not None:
+        calibrator.save(target)
+    write_model_card(target, card)
+    write_provenance(target, ranker.cfg.model, made_by, recipe, **measured)
+    return target
 
 
 def record_in_provenance(directory: str | Path, name: str, made_by: str) -> None:

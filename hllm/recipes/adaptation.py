@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from hllm.config import to_dict
-from hllm.data.cache import fingerprint
+from hllm.data.cache import fields_key
 from hllm.data.order import InputOrder
 from hllm.data.readers import read_beir
 from hllm.eval.metrics import kendall_tau, share_kept, top10_by_query
@@ -374,8 +374,8 @@ def probe_matrices(cfg: AdaptationConfig, s: StudentSpec, train: list[StateSlate
 
 
 def fold_key(cfg: AdaptationConfig, s: StudentSpec) -> str:
-    fields = ("data", "stages", "teacher", "prompt", "top_n", "folds", "sub_items", "subs_per_list", "sub_orders", "seed")
-    return fingerprint({k: to_dict(cfg)[k] for k in fields}, to_dict(s))
+    return fields_key(cfg, ("data", "stages", "teacher", "prompt", "top_n", "folds", "sub_items", "subs_per_list", "sub_orders",
+                            "seed"), to_dict(s))
 
 
 def run_student(cfg: AdaptationConfig, s: StudentSpec, lists: Lists, splits: list[tuple[set[str], set[str]]],

@@ -39,13 +39,13 @@ from typing import Any
 import numpy as np
 
 from hllm.config import to_dict
-from hllm.data.cache import fingerprint
+from hllm.data.cache import fields_key, fingerprint
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import kendall_tau, share_kept, top10_by_query
 from hllm.job.config import recipe_config, start_recipe
 from hllm.model.backbones import ModelConfig, file_sha256
 from hllm.model.calibration import Calibrator, ReliabilitySums, calibration_sums, fit_calibrator
-from hllm.model.card import ModelCard, PromptCard, write_model_card, write_provenance
+from hllm.model.card import ModelCard, PromptCard, ship_student
 from hllm.model.confidence import CascadeThresholds
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS
@@ -136,7 +136,7 @@ FOLD_FIELDS = ("ranker", "layers", "collection", "teachers", "top_n", "folds", "
 
 
 def fold_key(cfg: DistillTextConfig) -> str:
-    return fingerprint({k: to_dict(cfg)[k] for k in FOLD_FIELDS})
+    return fields_key(cfg, FOLD_FIELDS)
 
 
 def teacher_folds(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[CachedQuery]) -> dict[str, Any]:
@@ -267,10 +267,6 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
     rcfg, weights = everything["heads"][trial]
     ranker = SinglePassRanker.build(rcfg)
     ranker.head.load_state_dict(weights)
-    target = Path(cfg.ship_to)
-    ranker.save(target)
-    calibrator.save(target)
-    thresholds.save(target)
     cv = everything["cv"][trial]
     card = ModelCard(
         base_model=f"{rcfg.model.preset} (frozen, cut after decoder layer {rcfg.state_layer})",
@@ -293,10 +289,9 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
                                 "fitted_on": calibrator.fitted_on, "ece_held_out_queries": calibrated["oof"]["ece"],
                                 "ece_cross_year": {c: r["ece"] for c, r in calibrated["cross_year"].items()}}},
     )
-    write_model_card(target, card)
-    write_provenance(target, rcfg.model, "hllm distilltext --config <the recipe below>", to_dict(cfg), fit=cv,
-                     teacher_folds=card.figures["teacher_folds"], cross_year=card.figures["cross_year"],
-                     teacher_rankings_sha256={t.name: file_sha256(Path(t.rankings)) for t in cfg.teachers})
+    ship_student(cfg.ship_to, ranker, card, thresholds, "hllm distilltext --config <the recipe below>", to_dict(cfg),
+                 calibrator, fit=cv, teacher_folds=card.figures["teacher_folds"], cross_year=card.figures["cross_year"],
+                 teacher_rankings_sha256={t.name: file_sha256(Path(t.rankings)) for t in cfg.teachers})
     return card
 
 

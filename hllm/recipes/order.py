@@ -43,8 +43,8 @@ from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, mean_ci
 from hllm.job.config import recipe_config, start_recipe
 from hllm.model.backbones import ModelConfig
 from hllm.model.calibration import fit_calibrator
-from hllm.model.card import read_model_card, write_model_card, write_provenance
-from hllm.model.confidence import CascadeThresholds
+from hllm.model.card import read_model_card, ship_student
+from hllm.model.confidence import CascadeThresholds, confidence
 from hllm.model.heads import HeadConfig
 from hllm.model.item_states import POOLINGS
 from hllm.model.prompts import PromptConfig
@@ -473,19 +473,18 @@ def ship(cfg: OrderConfig, spec: StudentSpec, fitter: AugmentedFitter, out: dict
         record["guard"] = fit_guard(student, training, max(cfg.cv_folds, 2))
     folder = Path(spec.folder)
     old_provenance = json.loads((folder / "provenance.json").read_text())
-    student.save(folder)
     if spec.cascade_from == "in-sample":
-        CascadeThresholds.fit(state_confidence(student, first), f"{' + '.join(collection_name(p) for p in spec.ship_on)}: "
-                              f"the queries it was fitted on (in sample, first-stage order declared)").save(folder)
+        thresholds = CascadeThresholds.fit(state_confidence(student, first), f"{' + '.join(collection_name(p) for p in spec.ship_on)}: "
+                                           f"the queries it was fitted on (in sample, first-stage order declared)")
     else:
         mats = v["_oof_matrices"][f"{FIRST_STAGE}/True"]
-        from hllm.model.confidence import confidence
-        CascadeThresholds.fit([confidence(m, np.array(o)) for m, o, _ in mats],
-                              f"{collection_name(cfg.train_on)}, out of fold ({len(mats)} queries, first-stage order declared, "
-                              f"each scored by the head of the other folds)").save(folder)
+        thresholds = CascadeThresholds.fit([confidence(m, np.array(o)) for m, o, _ in mats],
+                                           f"{collection_name(cfg.train_on)}, out of fold ({len(mats)} queries, first-stage order "
+                                           f"declared, each scored by the head of the other folds)")
+    calibrator = None
     if spec.calibrate:  # from out-of-fold matrices of every order measured: declared first stage and undeclared shuffles
         rows = [r for bucket in v["_oof_matrices"].values() for r in bucket]
-        fit_calibrator([m for m, _, _ in rows], [o for _, o, _ in rows], [g for _, _, g in rows], cfg.rel).save(folder)
+        calibrator = fit_calibrator([m for m, _, _ in rows], [o for _, o, _ in rows], [g for _, _, g in rows], cfg.rel)
     cross = v["cross_year"]
     figures = {"trained_on": collection_name(cfg.train_on), "measured_on": collection_name(cfg.test_on),
                "queries": cross["first stage"]["queries"],
@@ -509,10 +508,9 @@ def ship(cfg: OrderConfig, spec: StudentSpec, fitter: AugmentedFitter, out: dict
     card = dataclasses.replace(card, figures=figures_now, input=(
         "a set of documents in any order (ranked by their text); or, declared (first_stage_order=true), a first-stage "
         "ranking, best first, whose ranks the head's prior then reads"))
-    write_model_card(folder, card)
-    write_provenance(folder, student.cfg.model, "python -m hllm.recipes.order --config <the recipe below>", to_dict(cfg),
-                     fit=record, input_order=figures, refined_from={"made_by": old_provenance.get("made_by"),
-                                                                    "recipe": old_provenance.get("recipe")})
+    ship_student(folder, student, card, thresholds, "python -m hllm.recipes.order --config <the recipe below>", to_dict(cfg),
+                 calibrator, fit=record, input_order=figures, refined_from={"made_by": old_provenance.get("made_by"),
+                                                                           "recipe": old_provenance.get("recipe")})
     log.info("shipped %s to %s: %s, L2 %g, prior %g", spec.name, folder, aug, choice.ridge_lambda, choice.prior_scale)
     return record
 

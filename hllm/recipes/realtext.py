@@ -47,7 +47,7 @@ from hllm.model.backbones import ModelConfig
 from hllm.model.heads import HeadConfig
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
-from hllm.model.card import ModelCard, PromptCard, write_model_card, write_provenance
+from hllm.model.card import ModelCard, PromptCard, ship_student
 from hllm.job.config import recipe_config, start_recipe
 from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, fit_guard, fit_head, guard_trust, guarded_orders
 from hllm.train.loop import LossConfig, TrainConfig
@@ -280,10 +280,8 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
     """The head trained on every `ship_on` query (seed: the first), saved to `ship_to`, checked on `transfer`."""
     items = [i for path in cfg.ship_on for i in data.items(path)]
     record = train_head(ranker, items, cfg, cfg.seeds[0])
-    target = Path(cfg.ship_to)
     ranker.cfg = dataclasses.replace(ranker.cfg, window=cfg.top_n)
-    ranker.save(target)
-    in_sample_thresholds(ranker, items, [collection_name(p) for p in cfg.ship_on]).save(target)
+    thresholds = in_sample_thresholds(ranker, items, [collection_name(p) for p in cfg.ship_on])
     transfer = []
     for path in cfg.transfer:
         t_items = data.items(path, transfer=True)
@@ -294,7 +292,7 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
                          "student": measure(ranker, t_items, rel), **guarded(ranker, t_items, rel)})
         log.info("shipped -> %s (%d queries): first stage %.4f, student %.4f%s", transfer[-1]["collection"], len(t_items),
                  transfer[-1]["first_stage"]["nDCG@10"], transfer[-1]["student"]["nDCG@10"], _guard_note(transfer[-1]))
-    write_model_card(target, ModelCard(
+    card = ModelCard(
         base_model=f"{cfg.ranker.model.preset} (frozen, cut after decoder layer {cfg.ranker.state_layer})",
         pooling=cfg.ranker.pooling,
         teacher="none: trained on graded relevance labels (TREC qrels), not distilled",
@@ -314,10 +312,10 @@ def ship(cfg: RealTextConfig, ranker: SinglePassRanker, data: Collections) -> tu
                                   "does a prompt that shows each passage fewer tokens than guard_min_doc_budget (a long query)",
                           **record["guard"],
                           "transfer_fallback_share": {t["collection"]: t["trust"]["fallback_share"] for t in transfer}}}
-               if "guard" in record else {})}))
-    write_provenance(target, cfg.ranker.model, "python -m hllm.recipes.realtext --config <the recipe below>", to_dict(cfg),
-                     fit={k: v for k, v in record.items() if k != "cv_grid"},
-                     transfer=[{"collection": t["collection"], **transfer_figures(t)} for t in transfer])
+               if "guard" in record else {})})
+    ship_student(cfg.ship_to, ranker, card, thresholds, "python -m hllm.recipes.realtext --config <the recipe below>", to_dict(cfg),
+                 fit={k: v for k, v in record.items() if k != "cv_grid"},
+                 transfer=[{"collection": t["collection"], **transfer_figures(t)} for t in transfer])
     return record, transfer
 
 
