@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit 
 from hllm.config import from_dict, to_dict  # noqa: E402
 from hllm.data import store  # noqa: E402
 from hllm.model.ranker import RankerConfig  # noqa: E402
-from hllm.job.stages import EvalReport, Fit, Rankings  # noqa: E402
+from hllm.job.stages import EvalReport, Fit, Rankings, StudentFit  # noqa: E402
 from pipelines import console  # noqa: E402
 from pipelines.common import (PipelineConfig, cluster_has_gpus, init_ray, log_metrics,  # noqa: E402
                               mlflow_run, parse_job, tracking_uri)
@@ -339,17 +339,16 @@ def train_dataset(cfg: PipelineConfig, train_dir: Path) -> Any:
 
 def ray_fit(cfg: PipelineConfig, mlflow_run_id: str | None) -> Fit:
     """The student stage's `Fit` on Ray Train: trains, then copies the student out of the final checkpoint."""
-    def fit(rcfg: RankerConfig, train_rankings: Rankings, val: Rankings, out: Path) -> dict[str, Any]:
+    def fit(rcfg: RankerConfig, train_rankings: Rankings, val: Rankings, out: Path) -> StudentFit:
         result = train(cfg, rcfg, train_rankings.directory, val.directory, mlflow_run_id)
         if result.error:
             raise RuntimeError(f"distillation failed: {result.error}")
         with result.checkpoint.as_directory() as directory:
             shutil.copytree(Path(directory) / "student", out, dirs_exist_ok=True)
         m = result.metrics
-        return {"steps": m["step"], "seconds": m["elapsed_s"], "final_loss": m["loss"], "val_loss": m.get("val_loss"),
-                "stopped_early": bool(m.get("stopped_early")), "resumed_from_step": m["resumed_from_step"],
-                "slates_per_s": m["step"] * cfg.student.train.batch_size * cfg.cluster.train_workers / m["elapsed_s"],
-                "worker_peak_mb": m["worker_peak_mb"]}
+        return StudentFit(m["step"], m["elapsed_s"], m["loss"], m.get("val_loss"), bool(m.get("stopped_early")),
+                          resumed_from_step=m["resumed_from_step"], worker_peak_mb=m["worker_peak_mb"],
+                          slates_per_s=m["step"] * cfg.student.train.batch_size * cfg.cluster.train_workers / m["elapsed_s"])
     return fit
 
 

@@ -317,9 +317,27 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
 
 
 # ---- student -------------------------------------------------------------------------------------
-Fit = Callable[[RankerConfig, Rankings, Rankings, Path], dict[str, Any]]
+@dataclass(frozen=True)
+class StudentFit:
+    """What fitting the student did: the student stage's `Fit` returns it, its `stage.json` keeps it (None fields left out)."""
+
+    steps: int
+    seconds: float
+    final_loss: float
+    val_loss: float | None = None  # the held-out (val) loss at the last evaluation
+    stopped_early: bool = False
+    dropped_slates: int | None = None  # in process: training slates without a teacher permutation
+    resumed_from_step: int | None = None  # Ray Train: the checkpoint step it resumed from (0: from scratch)
+    slates_per_s: float | None = None  # Ray Train: all workers together
+    worker_peak_mb: float | None = None  # Ray Train: the largest worker's peak RSS
+
+    def record(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+Fit = Callable[[RankerConfig, Rankings, Rankings, Path], StudentFit]
 """Trains the student described by the ranker config on the train rankings (held-out loss on the
-val rankings), saves it to the folder; -> a summary (steps, seconds, final_loss, ...)."""
+val rankings), saves it to the folder; -> what it did."""
 
 
 def train_student_model(rcfg: RankerConfig, student: StudentStageConfig, train: Sequence[RankedSlate],
@@ -336,14 +354,13 @@ def train_student_model(rcfg: RankerConfig, student: StudentStageConfig, train: 
     return ranker, history, dropped
 
 
-def history_summary(history: list[dict], dropped: int) -> dict[str, Any]:
+def history_summary(history: list[dict], dropped: int) -> StudentFit:
     last = history[-1]
-    return {"steps": last["step"], "seconds": last["elapsed_s"], "final_loss": last["loss"],
-            "val_loss": last.get("val_loss"), "stopped_early": bool(last.get("stopped_early")), "dropped_slates": dropped}
+    return StudentFit(last["step"], last["elapsed_s"], last["loss"], last.get("val_loss"), bool(last.get("stopped_early")), dropped)
 
 
 def fit_in_process(cfg: JobConfig, device: torch.device) -> Fit:
-    def fit(rcfg: RankerConfig, train: Rankings, val: Rankings, out: Path) -> dict[str, Any]:
+    def fit(rcfg: RankerConfig, train: Rankings, val: Rankings, out: Path) -> StudentFit:
         ranker, history, dropped = train_student_model(
             rcfg, cfg.student, train.items, val.items, device,
             lambda step, row: log.info("  student step %d loss %.4f%s (%.0fs)", step, row["loss"],
@@ -390,9 +407,9 @@ def train_student_stage(cfg: JobConfig, teacher_model: ModelConfig, train: Ranki
     else:
         check_teacher(train, cfg.student, cfg.teacher.bootstrap)
         shutil.rmtree(out, ignore_errors=True)  # a stale calibration or cascade must not outlive its student
-        summary = fit(rcfg, train, val, out)
-        write_model_card(out, job_model_card(cfg, rcfg, train, summary))
-        mark_done(out, key, **summary)
+        done = fit(rcfg, train, val, out)
+        write_model_card(out, job_model_card(cfg, rcfg, train, done))
+        mark_done(out, key, **done.record())
     if (out / CONFIG_FILE).is_file() and Calibrator.load(out) is None:
         try:
             calibrate_student(out, val.slates, cfg.eval.binary_rel)
@@ -424,7 +441,7 @@ def calibrate_student(student_dir: Path, held_out: Sequence[RerankRequest], rel:
     return calibrator
 
 
-def job_model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary: dict[str, Any]) -> ModelCard:
+def job_model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, done: StudentFit) -> ModelCard:
     """What a served student knows: its base model, what it was trained on and how, its limits."""
     m, t = rcfg.model, cfg.teacher
     teacher = f"{t.model.preset}{' ' + t.model.path if t.model.path else ''}" + \
@@ -444,7 +461,7 @@ def job_model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, summary:
         positions=rcfg.head.positions,
         prompt=PromptCard(rcfg.prompt.template, rcfg.prompt.max_doc_tokens, m.context_length),
         adapt=rcfg.adapt.mode, head=rcfg.head.kind,
-        figures={"loss": cfg.student.loss.terms, "steps": summary.get("steps"), "val_loss": summary.get("val_loss")},
+        figures={"loss": cfg.student.loss.terms, "steps": done.steps, "val_loss": done.val_loss},
     )
 
 

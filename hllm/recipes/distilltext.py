@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from hllm.config import to_dict
 from hllm.data.cache import fields_key, fingerprint
@@ -139,12 +140,43 @@ def fold_key(cfg: DistillTextConfig) -> str:
     return fields_key(cfg, FOLD_FIELDS)
 
 
-def teacher_folds(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[CachedQuery]) -> dict[str, Any]:
+def method_key(method: str, teacher: str) -> str:
+    """How a method's figures are named in the report: `student_distilled@rankvicuna-7b`."""
+    return f"{method}@{teacher}"
+
+
+@dataclass
+class TeacherFolds:
+    """Every trial fitted on each teacher-fold's training queries and tested on its test queries (every query once)."""
+
+    trial_orders: dict[str, list[list[int]]]  # trial -> per query its out-of-fold order
+    trial_matrices: dict[str, list[np.ndarray]]  # trial -> per query its out-of-fold (N, K) matrix
+    chosen: list[dict[str, str]]  # per fold: method@teacher -> the trial its CV chose
+    cv: list[dict[str, dict[str, float]]]  # per fold: trial -> its CV record
+    method_orders: dict[str, list[list[int]]]  # method@teacher -> per query the order of its fold's choice
+    method_matrices: dict[str, list[np.ndarray]]
+    fold_of: list[int]  # per query the fold that tests it
+
+
+@dataclass
+class AllQueriesFit:
+    """Every trial fitted on all of the teacher's queries (settings by CV over them), tested on the other collections."""
+
+    chosen: dict[str, str]  # method@teacher -> trial
+    cv: dict[str, dict[str, float]]  # trial -> its CV record
+    tests: dict[str, dict[str, Any]]  # collection -> {"queries", "methods", "trials"}: means over its queries
+    heads: dict[str, tuple[RankerConfig, dict[str, torch.Tensor]]]  # trial -> its ranker config and head weights
+    matrices: dict[str, dict[str, list[np.ndarray]]]  # collection -> trial -> per query its (N, K) matrix
+    orders: dict[str, dict[str, list[list[int]]]]  # the same matrices' Hungarian orders
+
+    def report(self) -> dict[str, Any]:
+        return {"chosen": self.chosen, "cv": self.cv, "tests": self.tests}
+
+
+def teacher_folds(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[CachedQuery]) -> TeacherFolds:
     """Every trial fitted on each fold's training queries and tested on its test queries; the methods'
     choices per fold. A finished fold is kept in `output_dir/folds` (under `fold_key`): a stopped run
-    resumes at the next fold. -> {"trial_orders": {trial: per query its order}, "trial_matrices": {trial:
-    per query its out-of-fold (N, K) matrix}, "method_orders", "method_matrices", "chosen": [per fold
-    {method@teacher: trial}], "cv": [per fold {trial: its CV record}]}."""
+    resumes at the next fold."""
     names = [trial_name(v, t) for v, t in trials(cfg)]
     orders: dict[str, list] = {n: [None] * len(queries) for n in names}
     matrices: dict[str, list] = {n: [None] * len(queries) for n in names}
@@ -171,7 +203,7 @@ def teacher_folds(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[C
                 fold_matrices[name] = fitter.matrices(v, test)
                 log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, name,
                          rec["cv_score"], rec["cv_first_stage"], time.perf_counter() - t0)
-            picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
+            picks = {method_key(m, t.name): choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
             meta = {"chosen": {k: p for k, p in picks.items() if p},
                     "cv": {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step") if k in r}
                            for n, r in records.items()}}
@@ -186,53 +218,52 @@ def teacher_folds(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[C
         cv.append(meta["cv"])
         log.info("fold %d/%d chose %s", f + 1, cfg.folds, chosen[-1])
     methods = [key for key in chosen[0] if all(key in c for c in chosen)]
-    return {"trial_orders": orders, "trial_matrices": matrices, "chosen": chosen, "cv": cv,
-            "method_orders": {k: [orders[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in methods},
-            "method_matrices": {k: [matrices[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in methods},
-            "fold_of": [fold_of[i] for i in range(len(queries))]}
+    return TeacherFolds(orders, matrices, chosen, cv,
+                        {k: [orders[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in methods},
+                        {k: [matrices[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in methods},
+                        [fold_of[i] for i in range(len(queries))])
 
 
-def calibration(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[str, Any], trial: str) -> tuple[Calibrator, dict]:
+def calibration(cfg: DistillTextConfig, queries: list[CachedQuery], folds: TeacherFolds, trial: str) -> tuple[Calibrator, dict]:
     """P(relevant) for the student `trial` ships, from that trial's out-of-fold matrices (each query scored
     by the trial fitted on the other folds: a head that never saw it, of the variant shipped — not the mix of
     variants the folds chose, whose matrices differ in scale): the ECE on each fold's queries of a
     calibrator fitted on the other folds' (summed over the folds: every query held out once), and the
     calibrator fitted on all of them (the shipped one)."""
-    mats, perms = folds["trial_matrices"][trial], folds["trial_orders"][trial]
+    mats, perms = folds.trial_matrices[trial], folds.trial_orders[trial]
     grades = [q.slate.grades for q in queries]
     sums = ReliabilitySums(10, cfg.rel)
-    for f in sorted(set(folds["fold_of"])):
-        fit = [i for i, g in enumerate(folds["fold_of"]) if g != f]
-        held = [i for i, g in enumerate(folds["fold_of"]) if g == f]
+    for f in sorted(set(folds.fold_of)):
+        fit = [i for i, g in enumerate(folds.fold_of) if g != f]
+        held = [i for i, g in enumerate(folds.fold_of) if g == f]
         cal = fit_calibrator([mats[i] for i in fit], [perms[i] for i in fit], [grades[i] for i in fit], cfg.rel)
         sums.merge(calibration_sums(cal, [mats[i] for i in held], [perms[i] for i in held], [grades[i] for i in held]))
     return fit_calibrator(mats, perms, grades, cfg.rel), sums.report()
 
 
-def summarize(cfg: DistillTextConfig, queries: list[CachedQuery], folds: dict[str, Any]) -> dict[str, Any]:
+def summarize(cfg: DistillTextConfig, queries: list[CachedQuery], folds: TeacherFolds) -> dict[str, Any]:
     """Per method and per trial: means over queries, Kendall tau to each teacher, and the share of each
     teacher's gain over the first stage that each student keeps (with its bootstrap interval)."""
     slates = [q.slate for q in queries]
-    runs = {"first_stage": first_stage_order(slates)} | {f"teacher@{t.name}": [q.perms[t.name] for q in queries] for t in cfg.teachers}
-    runs |= folds["method_orders"]
+    runs = {"first_stage": first_stage_order(slates)} | {method_key("teacher", t.name): [q.perms[t.name] for q in queries] for t in cfg.teachers}
+    runs |= folds.method_orders
     table = {}
-    for name, orders in list(runs.items()) + [(f"trial:{k}", v) for k, v in folds["trial_orders"].items()]:
+    for name, orders in list(runs.items()) + [(f"trial:{k}", v) for k, v in folds.trial_orders.items()]:
         pq = top10_by_query(slates, orders, cfg.rel)
         table[name] = {m: float(np.mean(list(v.values()))) for m, v in pq.items()} | {"per_query_nDCG@10": pq["nDCG@10"]}
         for t in cfg.teachers:
             table[name][f"tau_to_{t.name}"] = float(np.mean([kendall_tau(o, q.perms[t.name]) for o, q in zip(orders, queries)]))
     qids = list(table["first_stage"]["per_query_nDCG@10"])
     vec = {name: np.array([row["per_query_nDCG@10"][q] for q in qids]) for name, row in table.items()}
-    shares = {f"{m}@{t.name}": share_kept(vec[f"{m}@{t.name}"], vec["first_stage"], vec[f"teacher@{t.name}"], cfg.bootstrap, cfg.seed)
-              for t in cfg.teachers for m in METHODS if f"{m}@{t.name}" in vec}
+    shares = {method_key(m, t.name): share_kept(vec[method_key(m, t.name)], vec["first_stage"], vec[method_key("teacher", t.name)],
+                                                cfg.bootstrap, cfg.seed)
+              for t in cfg.teachers for m in METHODS if method_key(m, t.name) in vec}
     return {"queries": len(qids), "table": table, "share_kept": shares}
 
 
-def fit_everything(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[CachedQuery], others: dict[str, list[CachedQuery]]) -> dict[str, Any]:
+def fit_everything(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[CachedQuery], others: dict[str, list[CachedQuery]]) -> AllQueriesFit:
     """Every trial fitted on every query of the teacher's collection (settings by CV over them) and tested
-    on each of `others` (never trained on); each method's choice by the same CV score.
-    -> {"chosen", "cv", "tests": {collection: {"queries", "methods", "trials"}}, "heads": {trial: (config, weights)},
-    "matrices": {collection: {trial: per query its (N, K) matrix}}, "orders": the same' Hungarian orders}."""
+    on each of `others` (never trained on); each method's choice by the same CV score."""
     records, heads, orders, matrices = {}, {}, {name: {} for name in others}, {name: {} for name in others}
     for v, t in trials(cfg):
         name = trial_name(v, t)
@@ -243,7 +274,7 @@ def fit_everything(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[
             orders[other][name] = decode_orders(matrices[other][name])
         log.info("all %d queries %s: CV nDCG@10 %.4f (first stage %.4f)", len(queries), name, records[name]["cv_score"],
                  records[name]["cv_first_stage"])
-    picks = {f"{m}@{t.name}": choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
+    picks = {method_key(m, t.name): choose(records, cfg, m, t.name) for m in METHODS for t in cfg.teachers}
     picks = {k: p for k, p in picks.items() if p}
     tests = {}
     for other, qs in others.items():
@@ -252,22 +283,22 @@ def fit_everything(cfg: DistillTextConfig, fitter: VariantFitter, queries: list[
         tests[other] = {"queries": len(slates), "methods": {"first_stage": mean(first_stage_order(slates))} |
                         {k: mean(orders[other][p]) for k, p in picks.items()},
                         "trials": {n: mean(o) for n, o in orders[other].items()}}
-    return {"chosen": picks, "cv": {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step")
-                                        if k in r} for n, r in records.items()}, "tests": tests, "heads": heads,
-            "matrices": matrices, "orders": orders}
+    cv = {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step") if k in r}
+          for n, r in records.items()}
+    return AllQueriesFit(picks, cv, tests, heads, matrices, orders)
 
 
-def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict[str, Any], coverage: dict,
+def ship(cfg: DistillTextConfig, everything: AllQueriesFit, folds_summary: dict[str, Any], coverage: dict,
          calibrator: Calibrator, calibrated: dict[str, Any], thresholds: CascadeThresholds) -> ModelCard:
     """The first teacher's distilled student (the trial its CV chose, fitted on every query) saved to
     `ship_to` with its calibration (`relevance_score`), its cascade thresholds and a model card that names the
     teacher and the data."""
     teacher = cfg.teachers[0]
-    trial = everything["chosen"][f"student_distilled@{teacher.name}"]
-    rcfg, weights = everything["heads"][trial]
+    trial = everything.chosen[method_key("student_distilled", teacher.name)]
+    rcfg, weights = everything.heads[trial]
     ranker = SinglePassRanker.build(rcfg)
     ranker.head.load_state_dict(weights)
-    cv = everything["cv"][trial]
+    cv = everything.cv[trial]
     card = ModelCard(
         base_model=f"{rcfg.model.preset} (frozen, cut after decoder layer {rcfg.state_layer})",
         pooling=rcfg.pooling,
@@ -281,9 +312,9 @@ def ship(cfg: DistillTextConfig, everything: dict[str, Any], folds_summary: dict
         input="candidates in first-stage order, best first: the prior reads their ranks",
         figures={
             "variant": trial, "fit": cv, "chosen_by": f"{cfg.cv_folds}-fold CV over the training queries (nDCG@10 on their qrels)",
-            "teacher_folds": {k: folds_summary["table"][k]["nDCG@10"] for k in ("first_stage", f"teacher@{teacher.name}",
-                                                                                 f"student_distilled@{teacher.name}")},
-            "cross_year": {c: t["methods"].get(f"student_distilled@{teacher.name}") for c, t in everything["tests"].items()},
+            "teacher_folds": {k: folds_summary["table"][k]["nDCG@10"] for k in ("first_stage", method_key("teacher", teacher.name),
+                                                                                 method_key("student_distilled", teacher.name))},
+            "cross_year": {c: t["methods"].get(method_key("student_distilled", teacher.name)) for c, t in everything.tests.items()},
             "relevance_score": {"what": f"calibrated P(grade >= {cfg.rel}), fitted on this variant's out-of-fold matrices of "
                                         "the teacher-folds",
                                 "fitted_on": calibrator.fitted_on, "ece_held_out_queries": calibrated["oof"]["ece"],
@@ -308,19 +339,19 @@ def run(cfg: DistillTextConfig) -> dict[str, Any]:
     summary = summarize(cfg, queries, folds)
     log.info("teacher-folds done in %.0fs", time.perf_counter() - t0)
     everything = fit_everything(cfg, fitter, queries, others)
-    method = f"student_distilled@{cfg.teachers[0].name}"
-    shipped = everything["chosen"][method]
+    method = method_key("student_distilled", cfg.teachers[0].name)
+    shipped = everything.chosen[method]
     calibrator, oof = calibration(cfg, queries, folds, shipped)
     calibrated = {"method": method, "trial": shipped, "fitted_on": calibrator.fitted_on, "oof": oof, "cross_year": {
-        c: calibration_sums(calibrator, everything["matrices"][c][shipped], everything["orders"][c][shipped],
+        c: calibration_sums(calibrator, everything.matrices[c][shipped], everything.orders[c][shipped],
                             [q.slate.grades for q in qs]).report() for c, qs in others.items()}}
     report = {"config": fingerprint(cfg), "collection": Path(cfg.collection).name, "coverage": coverage,
-              "teacher_folds": summary | {"chosen": folds["chosen"], "cv": folds["cv"]},
-              "cross_year": {k: v for k, v in everything.items() if k not in ("heads", "matrices", "orders")},
+              "teacher_folds": summary | {"chosen": folds.chosen, "cv": folds.cv},
+              "cross_year": everything.report(),
               "calibration": calibrated}
     if cfg.ship_to:
         report["shipped"] = ship(cfg, everything, summary, coverage, calibrator, calibrated,
-                                 oof_thresholds(folds["trial_matrices"][shipped], folds["trial_orders"][shipped],
+                                 oof_thresholds(folds.trial_matrices[shipped], folds.trial_orders[shipped],
                                                 Path(cfg.collection).name)).to_json()
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report
@@ -337,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
 def summary_lines(cfg: DistillTextConfig, report: dict[str, Any]) -> list[str]:
     """The report's headline: each method's teacher-folds figures and share kept, then cross-year."""
     folds, lines = report["teacher_folds"], []
-    for name in ["first_stage"] + [f"teacher@{t.name}" for t in cfg.teachers] + list(folds["share_kept"]):
+    for name in ["first_stage"] + [method_key("teacher", t.name) for t in cfg.teachers] + list(folds["share_kept"]):
         row = folds["table"][name]
         share = folds["share_kept"].get(name)
         lines.append(f"teacher-folds {name} ({folds['queries']} queries): nDCG@10 {row['nDCG@10']:.4f}"
