@@ -54,7 +54,7 @@ class Variant:
     name: str
     target: Literal["teacher", "judgments", "both"]  # what it learns from
     fit: Literal["ridge", "sgd"] = "ridge"
-    layer: int = 16  # read the states after this decoder layer (one of DistillTextConfig.layers)
+    layer: int = 16  # read the states after this decoder layer (one of the cached `layers`)
     pooling: Pooling = "last+mean"  # a part of the cached pooling
     loss: dict[str, float] | None = None  # sgd: hllm.train.losses terms (None: TARGET_LOSS[target])
     sample_items: int | None = None  # sgd: sub-slates of this many candidates, the teacher's relative order

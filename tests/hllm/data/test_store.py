@@ -9,7 +9,7 @@ import pytest
 from hllm.config import load_config
 from hllm.data import store
 from hllm.job.config import JobConfig
-from hllm.job.stages import DegenerateTeacher, teacher_rankings_stage, train_student_stage
+from hllm.job.stages import DegenerateTeacher, StudentFit, teacher_rankings_stage, train_student_stage
 from hllm.records import ParseCounts, RankedSlate, TeacherRanking
 
 
@@ -135,7 +135,7 @@ def test_a_teacher_that_copies_its_input_is_stopped_before_distillation(small_sp
     assert train.stats["same_as_input"] == pytest.approx(0.8)
     assert train.stats["tau_to_input"] == pytest.approx(0.8 * 1.0 + 0.2 * -1.0)
     fitted = []
-    fit = lambda rcfg, tr, va, out: fitted.append(out) or {"steps": 0}
+    fit = lambda rcfg, tr, va, out: fitted.append(out) or StudentFit(steps=0, seconds=0.0, final_loss=0.0)
     with pytest.raises(DegenerateTeacher, match=r"80.0% of its answers repeat the input .*max_teacher_same_as_input 0.5"):
         train_student_stage(cfg, cfg.teacher.model, train, train, fit)
     assert not fitted  # stopped before any training
@@ -158,4 +158,4 @@ def test_the_tau_threshold_catches_a_teacher_that_only_nudges_the_input(small_sp
     train = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, swaps_last_two)
     assert train.stats["same_as_input"] == 0.0 and train.stats["tau_to_input"] > 0.9
     with pytest.raises(DegenerateTeacher, match="Kendall tau to the input order 0.9"):
-        train_student_stage(cfg, cfg.teacher.model, train, train, lambda *a: {"steps": 0})
+        train_student_stage(cfg, cfg.teacher.model, train, train, lambda *a: StudentFit(steps=0, seconds=0.0, final_loss=0.0))
