@@ -1,5 +1,5 @@
-"""What tests in several folders build the same way: a tiny BEIR folder, the one-process job's tiny overrides, a
-traffic record. (Fixtures live in conftest.py; this module holds plain functions and constants.)"""
+"""What tests in several folders build the same way: a tiny BEIR folder, the one-process and Ray jobs' tiny overrides,
+a traffic record. (Fixtures live in conftest.py; this module holds plain functions and constants.)"""
 
 from __future__ import annotations
 
@@ -23,6 +23,26 @@ ONE_PROCESS_JOB = [
     # a teacher of a few steps (or none) copies its input: the gates that stop that (tests/hllm/data/test_store.py) are off
     "student.max_teacher_same_as_input=1.0", "student.max_teacher_tau_to_input=1.0",
 ]
+
+# the Ray job (pipelines/) at a size that runs in a minute on 2 cores
+PIPELINE_JOB = [
+    "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=32",
+    "data.synthetic.val_slates=2", "data.synthetic.test_slates=6",
+    "teacher.bootstrap=false", "teacher.model.hidden_size=32", "teacher.model.layers=1", "teacher.model.heads=2",
+    "teacher.model.intermediate_size=64", "teacher.model.context_length=256",
+    "teacher.generation.constrained=true", "teacher.generation.batch_size=8",
+    "cluster.teacher_actors=1", "cluster.teacher_cpus_per_actor=0.5", "cluster.teacher_batch_slates=8",
+    "cluster.train_workers=2", "cluster.train_cpus_per_worker=1",
+    "student.head.positions=6", "student.head.width=32", "student.adapt.lora_r=2",
+    "student.train.batch_size=4", "student.train.warmup_steps=1",
+    "eval.latency_requests=2", "eval.latency_warmup=1", "distill.zero_stage=2",
+    # a teacher of a few steps (or none) copies its input: the gates that stop that (tests/hllm/data/test_store.py) are off
+    "student.max_teacher_same_as_input=1.0", "student.max_teacher_tau_to_input=1.0",
+]
+
+# the session's finished tiny job (conftest.tiny_job): test_pipeline_train_student checks it, the flywheel refreshes a copy
+PIPELINE_TINY_JOB = PIPELINE_JOB + ["student.train.steps=4", "distill.checkpoint_every=2", "cluster.teacher_batch_slates=4",
+                                   "eval.batch_slates=3"]
 
 
 def beir_folder(root: Path, queries: int = 3, docs: int = 10, judged_extra: str | None = None) -> Path:

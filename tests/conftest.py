@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import importlib.abc
 import os
-import sys
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -116,7 +116,7 @@ def tiny_job(ray_local, tmp_path_factory):
     from hllm.config import load_config
     from pipelines import train_student
     from pipelines.common import PipelineConfig
-    from test_pipeline_train_student import TINY_JOB
+    from builders import PIPELINE_TINY_JOB as TINY_JOB
 
     out = tmp_path_factory.mktemp("tiny_job")
     cfg = load_config(PipelineConfig, None, TINY_JOB + [f"output_dir={out}"])

@@ -23,7 +23,7 @@ from pipelines.common import PipelineConfig
 from pipelines.registry import pin, promote
 
 from conftest import SERVE_PORT, copy_job
-from test_pipeline_train_student import TINY_JOB
+from builders import PIPELINE_TINY_JOB as TINY_JOB
 
 pytestmark = pytest.mark.slow
 URL = f"http://127.0.0.1:{SERVE_PORT}/flywheel/v1/rerank"

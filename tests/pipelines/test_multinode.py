@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from test_pipeline_train_student import JOB
+from builders import PIPELINE_JOB as JOB
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

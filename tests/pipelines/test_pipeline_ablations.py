@@ -12,7 +12,7 @@ from pipelines import ablations
 from pipelines.common import PipelineConfig
 
 from conftest import SEED, copy_job
-from test_pipeline_train_student import JOB
+from builders import PIPELINE_JOB as JOB
 
 pytestmark = pytest.mark.slow
 

@@ -18,29 +18,10 @@ from hllm.job.stages import evaluate_stage, load_teacher
 from pipelines import teacher_gen, train_student
 from pipelines.common import PipelineConfig
 
+from builders import PIPELINE_JOB as JOB
 from conftest import SEED, copy_job
 
 pytestmark = pytest.mark.slow
-
-JOB = [
-    "data.synthetic.catalogue_size=300", "data.synthetic.slate_size=6", "data.synthetic.train_slates=32",
-    "data.synthetic.val_slates=2", "data.synthetic.test_slates=6",
-    "teacher.bootstrap=false", "teacher.model.hidden_size=32", "teacher.model.layers=1", "teacher.model.heads=2",
-    "teacher.model.intermediate_size=64", "teacher.model.context_length=256",
-    "teacher.generation.constrained=true", "teacher.generation.batch_size=8",
-    "cluster.teacher_actors=1", "cluster.teacher_cpus_per_actor=0.5", "cluster.teacher_batch_slates=8",
-    "cluster.train_workers=2", "cluster.train_cpus_per_worker=1",
-    "student.head.positions=6", "student.head.width=32", "student.adapt.lora_r=2",
-    "student.train.batch_size=4", "student.train.warmup_steps=1",
-    "eval.latency_requests=2", "eval.latency_warmup=1", "distill.zero_stage=2",
-    # a teacher of a few steps (or none) copies its input: the gates that stop that (tests/hllm/data/test_store.py) are off
-    "student.max_teacher_same_as_input=1.0", "student.max_teacher_tau_to_input=1.0",
-]
-
-
-# the session's finished tiny job (conftest.tiny_job): this module checks it, the flywheel refreshes a copy of it
-TINY_JOB = JOB + ["student.train.steps=4", "distill.checkpoint_every=2", "cluster.teacher_batch_slates=4",
-                  "eval.batch_slates=3"]
 
 
 def test_distill_with_deepspeed_logs_everything_to_mlflow(tiny_job):

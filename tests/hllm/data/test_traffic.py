@@ -89,7 +89,7 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
         import sys, time
         sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})
         from hllm.data.traffic import TrafficLog, TrafficLogConfig
-        from test_traffic import record
+        from builders import traffic_record as record
         log = TrafficLog(TrafficLogConfig({str(tmp_path)!r}, flush_records=50, flush_seconds=30))
         i = 0
         while True:
@@ -106,6 +106,7 @@ def test_sigkill_loses_at_most_the_unflushed_buffer(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     sent += sum(1 for _ in proc.stdout)  # appended (and said so) before the kill
+    assert sent >= 530, f"the writer stopped after {sent} records (it must be killed mid-stream)"
     found = scan(tmp_path)
     assert found.skipped == []  # no half-written file (a temp file may remain: readers never list it)
     lost = sent - found.rows
