@@ -225,3 +225,18 @@ def test_the_tests_mirror_the_project():
     assert misplaced == [], misplaced
     names = [f.name for f in tests.rglob("test_*.py")]
     assert len(names) == len(set(names)), "two test files of one name (pytest imports them by their base name)"
+
+
+def test_no_test_imports_a_test_module_of_another_folder():
+    """Shared test helpers live in tests/builders.py, tests/conftest.py and the helper modules beside them: a test module
+    imported from another folder is found only if pytest happened to collect that folder first (pytest puts each test
+    file's own folder on sys.path)."""
+    import re
+
+    tests = ROOT / "tests"
+    wrong = []
+    for f in sorted(tests.rglob("*.py")):
+        for name in re.findall(r"^\s*(?:from|import) (test_\w+)", f.read_text(), flags=re.M):
+            if not (f.parent / f"{name}.py").is_file():
+                wrong.append(f"{f.relative_to(ROOT)} imports {name}")
+    assert wrong == [], wrong
