@@ -62,8 +62,12 @@ log = logging.getLogger("hllm")
 
 def rows_for(collection: str, split: str, slates: list[RerankRequest], metrics: dict[str, dict[str, float]]) -> list[dict]:
     return [{"collection": collection, "queries": len(slates), "split": split, "method": method,
-             "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4), "input_order": "first-stage"}
-            for method, m in metrics.items()]
+             "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)} for method, m in metrics.items()]
+
+
+def input_order_of(row: dict) -> str:
+    """A row's input order: rows from before the column (and the recipes' rows) were measured in the first stage's order."""
+    return row.get("input_order") or "first-stage"
 
 
 def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict], list[str]]:
@@ -166,7 +170,7 @@ def write(rows: list[dict], out: Path, text: str, title: str | None = "# Real te
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
         writer.writeheader()
-        writer.writerows({**r, "input_order": r.get("input_order") or "first-stage"} for r in rows)  # else: measured so
+        writer.writerows({**r, "input_order": input_order_of(r)} for r in rows)
     print(text)
     out.with_suffix(".md").write_text((f"{title}\n\n" if title else "") + f"{text}\n")
 
@@ -183,14 +187,14 @@ def merge_rows(rows: list[dict], out: Path) -> list[dict]:
     is replaced where it stood, the others added at the end. A row from before the input-order column was measured in
     the first stage's order."""
     def key(x: dict) -> tuple:
-        return (x["collection"], x["split"], x["method"], x.get("teacher") or "", x.get("input_order") or "first-stage",
+        return (x["collection"], x["split"], x["method"], x.get("teacher") or "", input_order_of(x),
                 x.get("order_declared") or "")
 
     new = {key(x): x for x in rows}
     merged = []
     if out.is_file():
         with out.open() as f:
-            merged = [new.get(key(x), {**x, "input_order": x.get("input_order") or "first-stage"}) for x in csv.DictReader(f)]
+            merged = [new.get(key(x), {**x, "input_order": input_order_of(x)}) for x in csv.DictReader(f)]
     return merged + [x for x in rows if x not in merged]
 
 

@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from hllm.data.order import CANONICAL, canonical_order, reorder
+from hllm.data.order import canonical_order, permuted
 from hllm.data.traffic import model_key
 from hllm.model.backbones import resolve_device
 from hllm.model.calibration import Calibrator
@@ -266,9 +266,9 @@ class Reranker:
         return matrices
 
     def _encode_set(self, slate: RerankRequest) -> EncodedPrompt:
-        prompt = self.encode_slate(reorder(slate, CANONICAL))
-        return dataclasses.replace(prompt, first_stage_order=False,
-                                   reading_order=tuple(canonical_order([c.shown for c in slate.candidates])))
+        order = canonical_order([c.shown for c in slate.candidates])
+        prompt = self.encode_slate(permuted(slate, order))
+        return dataclasses.replace(prompt, first_stage_order=False, reading_order=tuple(order))
 
     def rank(self, query: str, documents: Sequence[str], top_k: int | None = None,
              decoder: str | None = None, *, first_stage_order: bool = False) -> list[RankedDocument]:

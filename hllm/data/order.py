@@ -99,7 +99,11 @@ def reorder(slate: RerankRequest, order: InputOrder) -> RerankRequest:
     and every candidate's id unchanged, so targets by id (qrels, a teacher's ranking) stay aligned."""
     if order == FIRST_STAGE:
         return slate
-    perm = order.permutation(len(slate.candidates), slate.slate_id, [c.shown for c in slate.candidates])
+    return permuted(slate, order.permutation(len(slate.candidates), slate.slate_id, [c.shown for c in slate.candidates]))
+
+
+def permuted(slate: RerankRequest, perm: Sequence[int]) -> RerankRequest:
+    """The slate with candidate perm[k] (and its grade) at position k; everything else unchanged."""
     grades = None if slate.grades is None else [slate.grades[i] for i in perm]
     return dataclasses.replace(slate, candidates=[slate.candidates[i] for i in perm], grades=grades)
 

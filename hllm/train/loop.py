@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from hllm.data.order import FIRST_STAGE, InputOrder, reorder
+from hllm.data.order import FIRST_STAGE, InputOrder, permuted, reorder
 from hllm.model.prompts import EncodedPrompt, PromptBuilder, collate
 from hllm.model.ranker import AdaptConfig, adapt_backbone
 from hllm.records import RankedSlate, RerankRequest
@@ -339,8 +339,7 @@ def shuffled(request: RerankRequest, rng: random.Random) -> RerankRequest:
     """The same slate with its candidates (and their grades) in a random order."""
     order = list(range(len(request.candidates)))
     rng.shuffle(order)
-    grades = [request.grades[i] for i in order] if request.grades is not None else None
-    return dataclasses.replace(request, candidates=[request.candidates[i] for i in order], grades=grades)
+    return permuted(request, order)
 
 
 def bootstrap_examples(builder: PromptBuilder, requests: list[RerankRequest], loss: str = "set",

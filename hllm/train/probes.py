@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hllm.config import from_dict
-from hllm.data.readers import read_slates
+from hllm.data.readers import collection_name, read_slates
 from hllm.model.backbones import PROVENANCE
 from hllm.model.card import CONFIG_FILE
 from hllm.model.confidence import CascadeThresholds, confidence
@@ -107,7 +107,7 @@ def load_queries(cfg: ProbeSettings, ranker: SinglePassRanker, path: str, teache
     rankings; -> (queries, each teacher's coverage counts). A query a teacher does not rank is an error
     here: the folds compare every method on the same queries."""
     slates = read_slates("beir", path, top_n=cfg.top_n)
-    name = Path(path).name
+    name = collection_name(path)
     dirs = {layer: Path(cfg.output_dir) / "states" / f"{name}-{layer_key(ranker.cfg, layer, slates)}" for layer in cfg.layers}
     states = cached_layer_states(ranker, slates, dirs, cfg.shard_slates, progress=lambda done, total, s: log.info(
         "  %s: %d/%d state shards (%.0fs)", name, done, total, s))
