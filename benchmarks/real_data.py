@@ -1,19 +1,19 @@
 """Quality on real text: first stage, AR teacher, single-pass student and the FIRST-style readout of
 the teacher, on a finished job's held-out queries and (optionally) on a second collection the
-job never saw; and the cross-year protocol of a finished `hllm.recipes.realtext` run.
+job never saw; and the cross-year protocol and teacher-folds of finished `hllm realtext` runs.
 
     python benchmarks/real_data.py --cross-year runs/realtext --confirm runs/realtext-confirm   # the report as committed
     python benchmarks/real_data.py --teacher-folds runs/distilltext           # adds the real teachers' rows to it
     python benchmarks/real_data.py --input-order runs/order                   # and the input-order rows (hllm order)
     python benchmarks/real_data.py --job runs/dl19-smollm2 [--transfer ../shared/data/cranfield] [--transfer-queries 40]
 
-`--cross-year RUN`: RUN's `report.json` (`python -m hllm.recipes.realtext --config configs/realtext/smollm2-trec-dl.yaml`)
-gives, per fold, split `cross-year` rows (collection = the test year, trained on the other): the
+`--cross-year RUN`: RUN's `report.json` (`hllm realtext --config configs/realtext/smollm2-trec-dl.yaml`)
+gives, per cross-year fit, split `cross-year` rows (collection = the test year, trained on the other): the
 first stage and the student on every judged query of the test year, the whole BM25 top 100
-reranked in one pass, the student's figures the mean over the run's seeds; and split
+reranked in one pass; and split
 `transfer-test` rows: the shipped student (trained on both years) on a collection never trained on.
 
-`--teacher-folds RUN`: RUN's `report.json` (`hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml`)
+`--teacher-folds RUN`: RUN's `report.json` (`hllm realtext --config configs/realtext/smollm2-dl19-rankvicuna.yaml`)
 gives split `teacher-folds` rows per teacher (first stage, the teacher's own run, and each student
 method, every query of the collection tested once, with Kendall tau to that teacher and the share of
 its gain over the first stage kept, a 95% bootstrap interval over queries) and split `cross-year`
@@ -71,26 +71,34 @@ def input_order_of(row: dict) -> str:
 
 
 def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict], list[str]]:
-    """Rows and Markdown notes from a finished `hllm.recipes.realtext` run's report.json (`transfer_only`:
-    its transfer checks alone, split `transfer-confirm`: a second run on the other side of the hashed split)."""
+    """Rows and Markdown notes from a finished `hllm realtext` run's report.json: per cross-year test the first stage,
+    the student (the trial the shipped method's CV chose on that training set) and, with a domain guard, the same head
+    without it; the shipped student's transfer checks (`transfer_only`: those alone, split `transfer-confirm`: a second
+    run on the other side of the hashed split)."""
     report = json.loads((run / "report.json").read_text())
+    cfg = json.loads((run / "config.json").read_text())
+    key = cfg["ship_method"] + (f"@{cfg['teachers'][0]['name']}" if cfg["teachers"] else "")
     if transfer_only:
-        report = {**report, "folds": [], "shipped": None}
+        report = {**report, "cross_year": [], "shipped": None}
     split_name = "transfer-confirm" if transfer_only else "transfer-test"
+    tested = []  # (row as the transfer checks write it, split)
+    for fit in report["cross_year"]:
+        trial = fit["chosen"][key]
+        for collection, test in fit["tests"].items():
+            tested.append(({"collection": collection, "queries": test["queries"], "first_stage": test["methods"]["first_stage"],
+                            "student": test["methods"][key], **test.get("guard", {}).get(trial, {})}, "cross-year"))
+            record = {**fit["cv"][trial], "cv_folds": cfg["cv_folds"]}
+            tested[-1][0]["note"] = (f"- {collection} ({test['queries']} queries) trained on {' + '.join(fit['trained_on'])} "
+                                     f"({fit['queries']} queries): student `{trial}` nDCG@10 {test['methods'][key]['nDCG@10']:.4f}; "
+                                     f"{chosen(record)}")
+    tested += [(t, split_name) for t in report["transfer"]]
     rows, notes = [], []
-    for fold in report["folds"]:
-        n, seeds = fold["queries"], len(fold["seeds"])
-        rows += [{"collection": fold["collection"], "queries": n, "split": "cross-year", "method": method,
+    for row, split in tested:
+        rows += [{"collection": row["collection"], "queries": row["queries"], "split": split, "method": method,
                   "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
-                 for method, m in _methods(fold)]
-        notes.append(f"- {fold['collection']} ({n} queries) trained on {' + '.join(fold['trained_on'])}: student "
-                     f"nDCG@10 {fold['student']['nDCG@10']:.4f} ± {fold['student_nDCG@10_sd']:.4f} (sd over {seeds} seeds: "
-                     + ", ".join(f"{r['nDCG@10']:.4f}" for r in fold["student_per_seed"]) + f"); {chosen(fold['training'][0])}")
-    for t in report["transfer"]:
-        rows += [{"collection": t["collection"], "queries": t["queries"], "split": split_name, "method": method,
-                  "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
-                 for method, m in _methods(t)]
-    for row, split in [*((f, "cross-year") for f in report["folds"]), *((t, split_name) for t in report["transfer"])]:
+                 for method, m in _methods(row)]
+        notes += [row["note"]] if "note" in row else []
+    for row, split in tested:
         if "trust" in row:
             trust = row["trust"]
             notes.append(f"- domain guard, {row['collection']} ({split}): mean trust {trust['mean']:.2f}; "
@@ -98,7 +106,9 @@ def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict],
                          f"{trust['partial_share']:.0%} partly (student {row['student']['nDCG@10']:.4f}, unguarded "
                          f"{row['student_unguarded']['nDCG@10']:.4f}, first stage {row['first_stage']['nDCG@10']:.4f})")
     if report["shipped"]:
-        notes.append(f"- shipped student, fitted on {report['shipped']['train_queries']} queries of both years: {chosen(report['shipped'])}")
+        shipped = report["shipped"]
+        notes.append(f"- shipped student `{shipped['trial']}`, fitted on {shipped['queries']} queries of "
+                     f"{' + '.join(shipped['trained_on'])}: {chosen({**shipped, 'cv_folds': cfg['cv_folds']})}")
     return rows, notes
 
 
@@ -109,10 +119,12 @@ def _methods(row: dict) -> list[tuple[str, dict]]:
 
 
 def teacher_fold_rows(run: Path) -> tuple[list[dict], list[str]]:
-    """Rows and Markdown notes from a finished `hllm.recipes.distilltext` run's report.json."""
+    """Rows and Markdown notes from a finished `hllm realtext` run's report.json with teacher-folds."""
     report = json.loads((run / "report.json").read_text())
     cfg = json.loads((run / "config.json").read_text())
     folds, collection = report["teacher_folds"], report["collection"]
+    if not folds:
+        raise ValueError(f"{run}: this run has no teacher-folds (its config's folds is 0)")
     table, n = folds["table"], folds["queries"]
     rows, notes = [], []
 
@@ -132,7 +144,7 @@ def teacher_fold_rows(run: Path) -> tuple[list[dict], list[str]]:
         picks = [c.get(f"student_distilled@{name}") for c in folds["chosen"]]
         notes.append(f"- {name}: the distilled student's variant per fold (by CV on the fold's training queries): "
                      + ", ".join(p.split("@")[0] for p in picks))
-    cross = report["cross_year"]
+    (cross,) = [fit for fit in report["cross_year"] if fit["trained_on"] == [collection]] or [{"tests": {}, "chosen": {}}]
     for other, test in cross["tests"].items():
         rows.append(row(other, test["queries"], "cross-year", "first_stage", test["methods"]["first_stage"]))
         for t in cfg["teachers"]:
@@ -156,13 +168,12 @@ def teacher_fold_rows(run: Path) -> tuple[list[dict], list[str]]:
 
 
 def chosen(t: dict) -> str:
-    """How a fit's settings were chosen, from its training record."""
+    """How a fit's settings were chosen, from its CV record (with the config's `cv_folds`)."""
+    scores = f"held-out nDCG@10 {t['cv_score']:.4f}, first stage {t['cv_first_stage']:.4f}"
     if "ridge_lambda" in t:
         return (f"L2 {t['ridge_lambda']:g} and prior scale {t['prior_scale']:g} chosen by {t['cv_folds']}-fold CV over the "
-                f"training queries (held-out nDCG@10 {t['val_nDCG@10']:.4f}, first stage {t['val_nDCG@10_at_start']:.4f})")
-    by = f"{t['cv_folds']}-fold CV over the training queries" if t.get("cv_folds") else f"{t['val_queries']} validation queries"
-    return (f"step {t['best_step']} kept by {by} (held-out nDCG@10 {t['val_nDCG@10']:.4f}, "
-            f"untrained = first stage {t['val_nDCG@10_at_start']:.4f})")
+                f"training queries ({scores})")
+    return f"step {t['best_step']} kept by {t['cv_folds']}-fold CV over the training queries ({scores})"
 
 
 def write(rows: list[dict], out: Path, text: str, title: str | None = "# Real text: first stage, teacher, student") -> None:
@@ -211,7 +222,7 @@ def merge_section(out: Path, marker: str, section: list[str]) -> str:
 
 
 def add_teacher_folds(run: Path, out: Path) -> None:
-    """A distilltext run's rows into `out` (CSV and its Markdown twin): a row of the same (collection,
+    """A teacher-folds run's rows into `out` (CSV and its Markdown twin): a row of the same (collection,
     split, method, teacher) is replaced where it stands, an earlier run's section too; everything else stays."""
     rows, notes = teacher_fold_rows(run)
     cfg = json.loads((run / "config.json").read_text())
@@ -219,8 +230,8 @@ def add_teacher_folds(run: Path, out: Path) -> None:
     merged = merge_rows(rows, out)
     teachers = ", ".join(f"{t['name']} (`{Path(t['rankings']).name}`)" for t in cfg["teachers"])
     section = [
-        f"{DISTILLED}: distilled from a file of the teacher's rankings (`{run}`, `hllm.recipes.distilltext`)", "",
-        f"Teachers: {teachers}, over the first stage's top {cfg['top_n']} of `{Path(cfg['collection']).name}`. Student: "
+        f"{DISTILLED}: distilled from a file of the teacher's rankings (`{run}`, `hllm realtext`)", "",
+        f"Teachers: {teachers}, over the first stage's top {cfg['top_n']} of `{Path(cfg['teacher_collection']).name}`. Student: "
         f"{r['model']['preset']} frozen, prompt `{r['prompt']['template']}` (passages cut to {r['prompt']['max_doc_tokens']} tokens, "
         f"the whole top {cfg['top_n']} one prompt), states after layers {cfg['layers']} from one prefill. `teacher-folds`: "
         f"{cfg['folds']} folds by query hash, every query tested once; on each fold's training queries every variant picks "
@@ -291,10 +302,10 @@ def add_input_order(run: Path, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", help="a finished job's output_dir (config.json, report.json, teacher/, student/)")
-    parser.add_argument("--cross-year", metavar="RUN", help="a finished hllm.recipes.realtext run's output_dir (report.json)")
+    parser.add_argument("--cross-year", metavar="RUN", help="a finished hllm realtext run's output_dir (report.json)")
     parser.add_argument("--confirm", metavar="RUN", help="with --cross-year: a second realtext run's transfer checks "
                         "(transfer_split=rest: queries never looked at) as split transfer-confirm")
-    parser.add_argument("--teacher-folds", metavar="RUN", help="a finished hllm.recipes.distilltext run's output_dir: "
+    parser.add_argument("--teacher-folds", metavar="RUN", help="a finished hllm realtext run's output_dir with teacher-folds: "
                         "its rows replace an earlier such run's in --out, every other row stays")
     parser.add_argument("--input-order", metavar="RUN", help="a finished hllm.recipes.order run's output_dir: its rows "
                         "(split input-order) replace an earlier such run's in --out, every other row stays")
@@ -324,15 +335,15 @@ def main() -> None:
         cfg = json.loads((Path(args.cross_year) / "config.json").read_text())
         r = cfg["ranker"]
         sections += [
-            f"Run `{args.cross_year}` (`hllm.recipes.realtext`): {r['model']['preset']} frozen, cut after decoder layer "
+            f"Run `{args.cross_year}` (`hllm realtext`): {r['model']['preset']} frozen, cut after decoder layer "
             f"{r['state_layer']}, each passage read as `{r.get('pooling', 'last')}` (hllm.model.item_states.POOLINGS); "
             f"prompt `{r['prompt']['template']}`; {r['head']['kind']} head with the first-stage prior "
-            f"({r['head']['prior']}), fitted on graded qrels over cached item states "
-            + ("in closed form (ridge)" if cfg["fit"] == "ridge" else f"by SGD ({', '.join(cfg['loss']['terms'])})")
-            + f". Every query's BM25 top {cfg['top_n']} is reranked in one pass (one prompt, passages cut to "
+            f"({r['head']['prior']}), fitted over cached item states as its variants say ("
+            + "; ".join(f"`{v['name']}`: {v['target']}, {v['fit']}, layer {v['layer']}, {v['pooling']}" for v in cfg["variants"])
+            + f"). Every query's BM25 top {cfg['top_n']} is reranked in one pass (one prompt, passages cut to "
             f"{r['prompt']['max_doc_tokens']} tokens), as `hllm rerank` does with this model. `cross-year`: every judged "
-            f"query of the test year, fitted on the other year (whose own queries choose the settings); the student's "
-            f"figures are means over {len(cfg['seeds'])} seed(s). `transfer-test`: the shipped student (both years) on the hashed test split of "
+            f"query of the test year, fitted on the other year (whose own queries choose the settings). "
+            f"`transfer-test`: the shipped student (both years) on the hashed test split of "
             f"a collection never trained on" + (f"; `transfer-confirm` (`{args.confirm}`): the same student on the queries outside "
             "that split (a second sample, never looked at while the guard was built)" if args.confirm else "") + ". "
             + ("`student` carries the domain guard (`ranker.head.guard: distance`, hllm.model.heads.DomainGuard: a query whose "

@@ -9,9 +9,9 @@
     hllm serve main=runs/default/student trec=smollm2-trec-dl --port 8080  # several students behind one endpoint
     hllm promote --name hllm-student --version 3 --alias champion           # then --model models:/hllm-student@champion
     hllm run [--config FILE] [key=value ...]                              # = python pipelines/full.py
-    hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # = python -m hllm.recipes.realtext
+    hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # MLflow: pipelines/recorded_recipes.py
+    hllm realtext --config configs/realtext/smollm2-dl19-rankvicuna.yaml   # (hllm distilltext: its old name, an alias)
     hllm order --config configs/order/smollm2.yaml                         # = python -m hllm.recipes.order
-    hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml  # MLflow: pipelines/recorded_recipes.py
     hllm adaptation --config configs/adaptation/dl19-multistage.yaml   # MLflow: pipelines/recorded_recipes.py
     hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
@@ -297,9 +297,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_realtext(args: argparse.Namespace) -> int:
-    from hllm.recipes import realtext
+    from pipelines import recorded_recipes
 
-    realtext.main([f"--config={args.config}", *args.overrides])
+    recorded_recipes.main("realtext", [f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
     return 0
 
 
@@ -307,13 +307,6 @@ def cmd_order(args: argparse.Namespace) -> int:
     from hllm.recipes import order
 
     order.main([f"--config={args.config}", *args.overrides])
-    return 0
-
-
-def cmd_distilltext(args: argparse.Namespace) -> int:
-    from pipelines import recorded_recipes
-
-    recorded_recipes.main("distilltext", [f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
     return 0
 
 
@@ -483,10 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("overrides", nargs="*", help="key=value overrides, e.g. refresh.log_path=runs/traffic")
     f.set_defaults(func=cmd_refresh)
 
-    t = sub.add_parser("realtext", help="real text across TREC years: a frozen LM's cached states, a prior head, "
-                       "cross-year folds, the shipped student (hllm.recipes.realtext)")
-    t.add_argument("--config", required=True, help="YAML config (e.g. configs/realtext/smollm2-trec-dl.yaml)")
-    t.add_argument("overrides", nargs="*", help="key=value overrides")
+    t = sub.add_parser("realtext", aliases=["distilltext"], help="real text: a frozen LM's cached states, probes fitted on "
+                       "the judgments, a teacher's rankings (a file) or both; teacher-folds, cross-year, the shipped student, "
+                       "MLflow runs (hllm.recipes.realtext; distilltext: its old name)")
+    t.add_argument("--config", required=True, help="YAML config (e.g. configs/realtext/smollm2-trec-dl.yaml, "
+                   "configs/realtext/smollm2-dl19-rankvicuna.yaml)")
+    t.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
+    t.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
     t.set_defaults(func=cmd_realtext)
 
     o = sub.add_parser("order", help="the shipped real-text students under shuffled input orders: measured, re-fitted "
@@ -494,13 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--config", required=True, help="YAML config (e.g. configs/order/smollm2.yaml)")
     o.add_argument("overrides", nargs="*", help="key=value overrides")
     o.set_defaults(func=cmd_order)
-
-    d = sub.add_parser("distilltext", help="a real teacher's rankings (a file) distilled into the single-pass student: "
-                       "teacher-folds, cross-year, the shipped student, MLflow runs (pipelines/recorded_recipes.py)")
-    d.add_argument("--config", required=True, help="YAML config (e.g. configs/distilltext/smollm2-dl19-rankvicuna.yaml)")
-    d.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
-    d.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
-    d.set_defaults(func=cmd_distilltext)
 
     a = sub.add_parser("adaptation", help="LoRA students over cached prefill states beside the frozen probe, five first "
                        "stages, two backbone families, the first stage blended in; MLflow runs (pipelines/recorded_recipes.py)")

@@ -1,12 +1,13 @@
 """The real-text recipes recorded in MLflow: a parent run with the recipe's report and headline figures, a child run per
 variant or student with its settings as params, so the ablation compares in MLflow's UI like the embedded grid's cells.
 
-    hllm distilltext --config configs/distilltext/smollm2-dl19-rankvicuna.yaml [key=value ...] [tracking.experiment=...]
+    hllm realtext --config configs/realtext/smollm2-dl19-rankvicuna.yaml [key=value ...] [tracking.experiment=...]
     hllm adaptation --config configs/adaptation/dl19-multistage.yaml [key=value ...] [tracking.experiment=...]
-    hllm distilltext --config ... --report runs/distilltext/report.json   # record a finished run's report (same for adaptation)
+    hllm realtext --config ... --report runs/distilltext/report.json   # record a finished run's report (same for adaptation)
 
-- distilltext (`hllm.recipes.distilltext`): the parent holds the methods' teacher-folds and cross-year figures and the
-  calibration; a child per trial (a variant fitted on one teacher, or on the judgments).
+- realtext (`hllm.recipes.realtext`; `hllm distilltext` is its old name): the parent holds the methods' teacher-folds
+  and cross-year figures, the transfer checks and the calibration; a child per trial (a variant fitted on one teacher,
+  or on the judgments).
 - adaptation (`hllm.recipes.adaptation`): the parent holds the first stage's and teacher's figures per stage; a child per
   student (its backbone, kind, cut, LoRA and training settings as params; nDCG@10, tau, change from the first stage and
   share kept per stage, raw and blended with the first stage; seconds a fold and each fold's last loss).
@@ -28,9 +29,9 @@ from typing import Any
 
 from hllm.config import to_dict
 from hllm.data.cache import fingerprint
-from hllm.recipes import adaptation, distilltext
+from hllm.recipes import adaptation, realtext
 from hllm.recipes.adaptation import BLENDED, StudentSpec
-from hllm.recipes.distilltext import trial_name, trials
+from hllm.recipes.realtext import trial_name, trials
 from hllm.train.probes import Variant
 from pipelines.common import RecipeJob, TrackingConfig, log_metrics, mlflow_run, parse_recipe_job
 
@@ -47,40 +48,49 @@ class TrialRun:
     tracking: TrackingConfig
 
 
-def log_distilltext(job: RecipeJob, report: dict[str, Any]) -> str:
+def log_realtext(job: RecipeJob, report: dict[str, Any]) -> str:
     """The parent run and one child per trial; -> the parent's run id."""
     import mlflow
 
-    cfg, folds, cross = job.recipe, report["teacher_folds"], report["cross_year"]
-    table = folds["table"]
-    with mlflow_run(job, "distilltext", **{"hllm.collection": report["collection"]}) as parent:
+    cfg, folds = job.recipe, report["teacher_folds"]
+    with mlflow_run(job, "realtext", **({"hllm.collection": report["collection"]} if report["collection"] else {})) as parent:
         mlflow.log_dict(report, "report.json")
-        log_metrics({"queries": folds["queries"]})
-        for name, row in table.items():
-            if not name.startswith("trial:"):
-                log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix=f"folds.{name}.")
-        for name, share in folds["share_kept"].items():
-            log_metrics(share, prefix=f"folds.{name}.share_kept.")
-        for collection, test in cross["tests"].items():
-            for name, m in test["methods"].items():
-                log_metrics(m, prefix=f"cross.{collection}.{name}.")
+        if folds:
+            log_metrics({"queries": folds["queries"]})
+            for name, row in folds["table"].items():
+                if not name.startswith("trial:"):
+                    log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix=f"folds.{name}.")
+            for name, share in folds["share_kept"].items():
+                log_metrics(share, prefix=f"folds.{name}.share_kept.")
+        for fit in report["cross_year"]:
+            for collection, test in fit["tests"].items():
+                for name, m in test["methods"].items():
+                    log_metrics(m, prefix=f"cross.{collection}.{name}.")
+        for t in report["transfer"]:
+            log_metrics({"first_stage": t["first_stage"]["nDCG@10"], "student": t["student"]["nDCG@10"]},
+                        prefix=f"transfer.{t['collection']}.nDCG_at_10.")
         cal = report["calibration"]
-        log_metrics({"ece_held_out_queries": cal["oof"]["ece"]} | {f"ece.{c}": r["ece"] for c, r in cal["cross_year"].items()},
-                    prefix="calibration.")
+        if cal:
+            log_metrics({"ece_held_out_queries": cal["oof"]["ece"]} | {f"ece.{c}": r["ece"] for c, r in cal["cross_year"].items()},
+                        prefix="calibration.")
         parent_id = parent.info.run_id
         for v, teacher in trials(cfg):
             name = trial_name(v, teacher)
             child = TrialRun(v, teacher or "judgments", cfg.output_dir, dataclasses.replace(job.tracking, run_name=name))
-            chosen = sum(name in c.values() for c in folds["chosen"])
-            with mlflow_run(child, "distilltext-trial", parent_id, **{"ablation.variant": name, "ablation.kind": "trial",
-                                                                      "ablation.target": v.target}):
-                row = table[f"trial:{name}"]
-                log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
-                log_metrics({"folds_chosen": chosen, **cross["cv"][name]})
-                for f, cv in enumerate(folds["cv"]):
-                    log_metrics(cv[name], step=f, prefix="fold_cv.")
-                for collection, test in cross["tests"].items():
-                    log_metrics(test["trials"][name], prefix=f"cross.{collection}.")
+            with mlflow_run(child, "realtext-trial", parent_id, **{"ablation.variant": name, "ablation.kind": "trial",
+                                                                   "ablation.target": v.target}):
+                if folds:
+                    row = folds["table"][f"trial:{name}"]
+                    log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
+                    log_metrics({"folds_chosen": sum(name in c.values() for c in folds["chosen"])})
+                    for f, cv in enumerate(folds["cv"]):
+                        log_metrics(cv[name], step=f, prefix="fold_cv.")
+                for fit in report["cross_year"]:
+                    if name in fit["cv"]:
+                        trained = "_and_".join(fit["trained_on"])
+                        log_metrics({k: x for k, x in fit["cv"][name].items() if k != "guard"}, prefix=f"cross.{trained}.")
+                        for collection, test in fit["tests"].items():
+                            log_metrics(test["trials"][name], prefix=f"cross.{trained}.{collection}.")
     return parent_id
 
 
@@ -142,10 +152,10 @@ class RecordedRecipe:
 
 
 RECIPES = {
-    "distilltext": RecordedRecipe(distilltext.DistillTextConfig, "configs/distilltext/smollm2-dl19-rankvicuna.yaml",
-                                  ["experiment=hllm-distilltext", "registered_model=null"], distilltext.run, fingerprint,
-                                  lambda cfg, r: "\n".join(distilltext.summary_lines(cfg, r)), log_distilltext,
-                                  lambda cfg, r: f"{len(r['cross_year']['cv'])} trials as children"),
+    "realtext": RecordedRecipe(realtext.RealTextConfig, "configs/realtext/smollm2-trec-dl.yaml",
+                               ["experiment=hllm-realtext", "registered_model=null"], realtext.run, fingerprint,
+                               lambda cfg, r: "\n".join(realtext.summary_lines(cfg, r)), log_realtext,
+                               lambda cfg, r: f"{len(realtext.trials(cfg))} trial(s) as children"),
     "adaptation": RecordedRecipe(adaptation.AdaptationConfig, "configs/adaptation/dl19-multistage.yaml",
                                  ["experiment=hllm-adaptation", "registered_model=null"], adaptation.run, to_dict,
                                  adaptation.markdown, log_adaptation, lambda cfg, r: f"{len(cfg.students)} students as children"),

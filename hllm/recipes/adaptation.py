@@ -6,7 +6,7 @@ five first stages' lists, beside the frozen probe, on two backbone families, nev
 
 Data: DL19's 43 judged queries over every first stage of `stages` (`data`: BEIR folder with `runs/<stage>_top100.tsv`
 and the teacher's ranking of each list in `teacher-runs/<teacher>_<stage>_top100.tsv`). Folds are by query — the same
-5 teacher-folds by query hash as `hllm distilltext` (`FOLD_SALT`) — so a test query's lists from every stage are held
+5 teacher-folds by query hash as `hllm realtext`'s teacher-folds (`FOLD_SALT`) — so a test query's lists from every stage are held
 out together; every query is tested once.
 
 What makes LoRA affordable here: each student adapts only the top `lora_layers` decoder layers of a backbone cut after

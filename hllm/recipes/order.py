@@ -607,7 +607,7 @@ def markdown(cfg: OrderConfig, report: dict[str, Any]) -> str:
         "the text's alone). **Declared**: the BM25 order, declared (`first_stage_order=true`: the prior reads the ranks). "
         f"**First stage**: the BM25 order itself. Cross-year: fitted on {train} (its queries choose every setting by "
         f"{cfg.cv_folds}-fold CV), measured on {test} ({n_test} queries), read once at the end. Out of fold: {train}'s "
-        f"queries in {cfg.folds} folds by query hash (the teacher-folds of `hllm.recipes.distilltext`), every query tested "
+        f"queries in {cfg.folds} folds by query hash (the teacher-folds of `hllm.recipes.realtext`), every query tested "
         "once by a head fitted on the others.", "",
         "## The lines", "", "```text", *headline(report), "```", "",
         f"(cross-year: the student fitted on {train}, measured on {test}, shuffled input as served; the name as "

@@ -1,6 +1,6 @@
 """Closed-form probes over cached states on real text: what the real-text recipes share.
 
-A recipe (`hllm.recipes.distilltext`, `realtext`, `adaptation`, `order`) reads a collection's lists, caches each
+A recipe (`hllm.recipes.realtext`, `adaptation`, `order`) reads a collection's lists, caches each
 query's item states once, and fits a utility probe (or the attention head) over them from the judgments, a teacher's
 rankings or both, its settings chosen by cross-validation over training queries. This module holds the parts more than
 one of them (and the benchmarks that measure them) use: the outer folds' salt, a teacher's ranking as graded targets,
@@ -15,6 +15,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -31,7 +32,8 @@ from hllm.model.ranker import RankerConfig, SinglePassRanker
 from hllm.records import RerankRequest
 from hllm.uris import resolve_model_uri
 from hllm.teacher.external import external_rankings
-from hllm.train.head_fit import StateSlate, cv_ridge, cv_sgd, ridge_utility, score_state_slates, set_utility, state_confidence
+from hllm.train.head_fit import (StateSlate, cv_ridge, cv_sgd, fit_guard, guard_trust, guarded_matrices, ridge_utility,
+                                 score_state_slates, set_utility, state_confidence)
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.state_cache import cached_layer_states, layer_key
 
@@ -62,10 +64,10 @@ class Variant:
 
 
 class ProbeSettings(Protocol):
-    """What fitting a variant over cached states reads from a recipe's config (`DistillTextConfig` has these fields)."""
+    """What fitting a variant over cached states reads from a recipe's config (`RealTextConfig` has these fields)."""
 
     output_dir: str  # the states live in output_dir/states
-    ranker: RankerConfig  # the frozen backbone, cut, prompt and the cached pooling
+    ranker: RankerConfig  # the frozen backbone, cut, prompt, the cached pooling; its head's K and domain guard the probes'
     layers: list[int]  # the cached layers
     top_n: int
     shard_slates: int
@@ -102,11 +104,14 @@ class CachedQuery:
     perms: dict[str, list[int]]  # teacher name -> 0-based permutation, best first
 
 
-def load_queries(cfg: ProbeSettings, ranker: SinglePassRanker, path: str, teachers: list[TeacherRun]) -> tuple[list[CachedQuery], dict]:
-    """The collection's slates with their cached states (computed where missing) and the teachers'
-    rankings; -> (queries, each teacher's coverage counts). A query a teacher does not rank is an error
-    here: the folds compare every method on the same queries."""
+def load_queries(cfg: ProbeSettings, ranker: SinglePassRanker, path: str, teachers: list[TeacherRun],
+                 pick: Callable[[list[RerankRequest]], list[RerankRequest]] | None = None) -> tuple[list[CachedQuery], dict]:
+    """The collection's slates (`pick`: those it keeps, e.g. a hashed test split) with their cached states (computed
+    where missing) and the teachers' rankings; -> (queries, each teacher's coverage counts). A query a teacher does not
+    rank is an error here: the folds compare every method on the same queries."""
     slates = read_slates("beir", path, top_n=cfg.top_n)
+    if pick is not None:
+        slates = pick(slates)
     name = collection_name(path)
     dirs = {layer: Path(cfg.output_dir) / "states" / f"{name}-{layer_key(ranker.cfg, layer, slates)}" for layer in cfg.layers}
     states = cached_layer_states(ranker, slates, dirs, cfg.shard_slates, progress=lambda done, total, s: log.info(
@@ -152,7 +157,8 @@ class VariantFitter:
         return items, judge
 
     def head_config(self, v: Variant) -> RankerConfig:
-        head = HeadConfig(kind="utility", positions=self.cfg.sgd_head.positions, prior="logrank") if v.fit == "ridge" else self.cfg.sgd_head
+        """A ridge variant's head: `ranker.head` as a utility probe under the logrank prior (its K and domain guard kept)."""
+        head = dataclasses.replace(self.cfg.ranker.head, kind="utility", prior="logrank") if v.fit == "ridge" else self.cfg.sgd_head
         return dataclasses.replace(self.cfg.ranker, state_layer=v.layer, pooling=v.pooling, head=head, window=self.cfg.top_n)
 
     def new_head(self, v: Variant) -> None:
@@ -161,19 +167,41 @@ class VariantFitter:
         self.ranker.head = self.ranker.new_head().to(self.ranker.device)
 
     def fit(self, v: Variant, teacher: str | None, queries: list[CachedQuery]) -> dict[str, Any]:
-        """Fits `ranker.head` on `queries`, its settings chosen by CV over them. -> the CV record."""
+        """Fits `ranker.head` on `queries`, its settings chosen by CV over them, then its domain guard (where the head
+        has one) on the same queries' states (`fit_guard`: thresholds from their own held-out distances). -> the CV
+        record (with `guard`: the guard's thresholds)."""
         items, judge = self.views(v, teacher, queries)
         self.new_head(v)
         if v.fit == "ridge":
-            return cv_ridge(self.ranker, items, judge, self.cfg.cv_folds, self.cfg.ridge_lambdas, self.cfg.prior_scales, self.cfg.rel)
-        loss = LossConfig(v.loss or TARGET_LOSS[v.target])
-        train = dataclasses.replace(self.cfg.train, seed=self.cfg.seed)
-        return cv_sgd(self.ranker, items, judge, self.cfg.cv_folds, train, loss, self.cfg.rel, lambda: self.new_head(v),
-                      0, v.sample_items)
+            record = cv_ridge(self.ranker, items, judge, self.cfg.cv_folds, self.cfg.ridge_lambdas, self.cfg.prior_scales, self.cfg.rel)
+        else:
+            loss = LossConfig(v.loss or TARGET_LOSS[v.target])
+            train = dataclasses.replace(self.cfg.train, seed=self.cfg.seed)
+            record = cv_sgd(self.ranker, items, judge, self.cfg.cv_folds, train, loss, self.cfg.rel, lambda: self.new_head(v),
+                            0, v.sample_items)
+        if getattr(self.ranker.head, "guard", None) is not None:
+            record["guard"] = fit_guard(self.ranker, judge, max(self.cfg.cv_folds, 2))
+        return record
 
     def matrices(self, v: Variant, queries: list[CachedQuery]) -> list[np.ndarray]:
-        """The fitted head's (N, K) score matrices of `queries` (whole lists, one pass each)."""
-        return score_state_slates(self.ranker, self.judged(v, queries))
+        """The fitted head's (N, K) score matrices of `queries` (whole lists, one pass each), as `Reranker` scores them
+        (through the domain guard's support where the head has one)."""
+        return guarded_matrices(self.ranker, self.judged(v, queries))
+
+    def unguarded(self, v: Variant, queries: list[CachedQuery]) -> tuple[list[np.ndarray], np.ndarray] | None:
+        """With a domain guard: the same head's matrices without it (the ablation) and the trust it gave each query
+        ((Q,) in [0, 1]); None without one."""
+        guard = getattr(self.ranker.head, "guard", None)
+        if guard is None:
+            return None
+        judged = self.judged(v, queries)
+        trust = guard_trust(self.ranker, judged)
+        with guard.suspended():
+            return score_state_slates(self.ranker, judged), trust
+
+    def confidence_thresholds(self, v: Variant, queries: list[CachedQuery], collections: list[str]) -> CascadeThresholds:
+        """The cascade's thresholds of the fitted head from its confidence on `queries` (the ones it was fitted on)."""
+        return in_sample_thresholds(self.ranker, self.judged(v, queries), collections)
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ def test_the_order_recipe_measures_refits_and_reships_a_probe_at_tiny_scale(tmp_
     a, b = _beir(tmp_path / "a", queries=9, docs=10), _beir(tmp_path / "b", queries=6, docs=10)
     base = ["ranker.state_layer=1", "ranker.adapt.mode=frozen", "ranker.prompt.max_doc_tokens=8", "ranker.head.positions=4",
             "ranker.head.kind=utility", "ranker.head.prior=logrank", "ranker.pooling=last+mean", "top_n=10"]
-    rt = load_config(RealTextConfig, None, [*base, f"output_dir={tmp_path / 'rt'}", "fit=ridge", "cv_folds=2", "seeds=[0]",
+    rt = load_config(RealTextConfig, None, [*base, f"output_dir={tmp_path / 'rt'}", "variants=[{name: ridge, target: judgments, layer: 1}]", "cv_folds=2",
                                             "ranker.head.guard=distance", f"ship_on=[{a}]", f"ship_to={tmp_path / 'student'}"])
     rt.ranker.model = TINY
     realtext(rt)

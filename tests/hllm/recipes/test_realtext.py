@@ -1,5 +1,5 @@
-"""The real-text recipe at tiny scale: cross-year folds over cached states, the shipped student,
-and `hllm rerank` with that student giving the figures the recipe reported."""
+"""The real-text recipe at tiny scale, from the judgments: cross-year fits over cached states, the shipped student,
+and `hllm rerank` with that student giving the figures the recipe reported (teachers: test_realtext_teachers.py)."""
 
 import json
 from pathlib import Path
@@ -20,38 +20,39 @@ REALTEXT_CONFIGS = sorted((ROOT / "configs" / "realtext").glob("*.yaml"))
 
 def tiny_config(tmp_path: Path, **extra) -> RealTextConfig:
     a, b, c = (_beir(tmp_path / name, queries=4, docs=10) for name in ("a", "b", "c"))
-    overrides = [f"output_dir={tmp_path / 'run'}", "top_n=10", "seeds=[0, 1]", "val_fraction=0.3", "cv_folds=0",
-                 "ranker.state_layer=1", "ranker.adapt.mode=frozen", "ranker.head.prior=rank", "ranker.prompt.max_doc_tokens=8", "ranker.head.positions=4",
-                 "ranker.head.width=32", "ranker.head.num_heads=2", "train.steps=12", "train.batch_size=2",
-                 "train.log_every=4", "train.warmup_steps=2", f"folds=[{{train_on: [{a}], test_on: [{b}]}}]",
-                 f"ship_on=[{a}, {b}]", f"ship_to={tmp_path / 'shipped'}", f"transfer=[{c}]", "transfer_fraction=1.0",
-                 *(f"{k}={v}" for k, v in extra.items())]
+    overrides = [f"output_dir={tmp_path / 'run'}", "top_n=10", "cv_folds=2", "layers=[1]", "ranker.state_layer=1",
+                 "ranker.adapt.mode=frozen", "ranker.pooling=last+mean", "ranker.head.kind=utility", "ranker.head.prior=logrank",
+                 "ranker.prompt.max_doc_tokens=8", "ranker.head.positions=4", "sgd_head.positions=4", "sgd_head.width=32",
+                 "sgd_head.num_heads=2", "train.steps=12", "train.batch_size=2", "train.log_every=4", "train.warmup_steps=2",
+                 f"cross_year=[{{train_on: [{a}], test_on: [{b}]}}]", f"ship_on=[{a}, {b}]", f"ship_to={tmp_path / 'shipped'}",
+                 f"transfer=[{c}]", "transfer_fraction=1.0", *(f"{k}={v}" for k, v in extra.items())]
     cfg = load_config(RealTextConfig, None, overrides)
     cfg.ranker.model = TINY
     return cfg
 
 
-RIDGE = {"fit": "ridge", "cv_folds": 2, "ranker.head.kind": "utility", "ranker.head.prior": "logrank", "seeds": "[0]",
-         "ranker.pooling": "last+mean", "ranker.head.guard": "distance"}  # the shipped recipe's shape
+SGD = {"variants": "[{name: sgd, target: judgments, fit: sgd, layer: 1}]"}  # the paper's attention head (sgd_head), by SGD
+RIDGE = {"variants": "[{name: ridge, target: judgments, fit: ridge, layer: 1}]", "ranker.head.guard": "distance"}  # the shipped recipe's shape
 
 
 @pytest.mark.parametrize("fit", ["sgd", "ridge"])
 def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_path, capsys, fit):
-    cfg = tiny_config(tmp_path, **(RIDGE if fit == "ridge" else {}))
+    cfg = tiny_config(tmp_path, **(RIDGE if fit == "ridge" else SGD))
     report = run(cfg)
-    (fold,) = report["folds"]
-    assert fold["collection"] == "b" and fold["trained_on"] == ["a"] and fold["queries"] == 4
-    assert len(fold["student_per_seed"]) == len(cfg.seeds) and 0 <= fold["student"]["nDCG@10"] <= 1
-    for t in fold["training"]:
-        assert t["train_queries"] + t["val_queries"] == 4
-        assert t["val_nDCG@10"] >= t["val_nDCG@10_at_start"] or fit == "ridge"  # CV over (l2, scale): none is the first stage
-    assert json.loads((tmp_path / "run" / "report.json").read_text())["folds"][0]["queries"] == 4
+    (cross,) = report["cross_year"]
+    fold = cross["tests"]["b"]
+    assert cross["trained_on"] == ["a"] and cross["queries"] == 4 and fold["queries"] == 4
+    assert cross["chosen"] == {"student_judged": fit} and 0 <= fold["methods"]["student_judged"]["nDCG@10"] <= 1
+    record = cross["cv"][fit]
+    assert record["cv_score"] >= record["cv_first_stage"] or fit == "ridge"  # CV over (l2, scale): none is the first stage
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["cross_year"][0]["tests"]["b"]["queries"] == 4
     (transfer,) = report["transfer"]
     shipped = Reranker.load(tmp_path / "shipped")
     assert shipped.default_window == 10 and len(shipped.model.body.layers) == 1
     assert json.loads((tmp_path / "shipped" / "model_card.json").read_text())["window"] == 10
     provenance = json.loads((tmp_path / "shipped" / "provenance.json").read_text())
-    assert set(provenance["sha256"]) == {"head.safetensors", "hllm_ranker.json", "cascade.json"} and provenance["recipe"]["fit"] == fit
+    assert set(provenance["sha256"]) == {"head.safetensors", "hllm_ranker.json", "cascade.json"}
+    assert provenance["recipe"]["variants"][0]["fit"] == fit and report["shipped"]["queries"] == 8
     assert "in sample" in shipped.cascade_thresholds.fitted_on["source"]  # its confidence on the queries it was fitted on
     capsys.readouterr()
     metrics = tmp_path / "m.json"
@@ -77,11 +78,11 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
     assert set(rows) == {("b", "cross-year", "first_stage"), ("b", "cross-year", "student"),
                          ("c", "transfer-test", "first_stage"), ("c", "transfer-test", "student")} | guarded
     if fit == "ridge":  # the guard's trust, and the same head without it, on every test set
-        for row in (fold, transfer):
+        for row in (fold["guard"]["ridge"], transfer):
             assert 0 <= row["trust"]["mean"] <= 1 and 0 <= row["student_unguarded"]["nDCG@10"] <= 1
         assert report["shipped"]["guard"]["guard_high"] > report["shipped"]["guard"]["guard_low"]
         assert "domain guard, c (transfer-test): mean trust" in out.with_suffix(".md").read_text()
-    assert float(rows["b", "cross-year", "student"]["nDCG@10"]) == round(fold["student"]["nDCG@10"], 4)
+    assert float(rows["b", "cross-year", "student"]["nDCG@10"]) == round(fold["methods"]["student_judged"]["nDCG@10"], 4)
     assert rows["c", "transfer-test", "student"]["queries"] == "4" and "| c | 4 | transfer-test |" in out.with_suffix(".md").read_text()
     # states are reused: a second run computes none
     states = sorted((tmp_path / "run" / "states").glob("*/shard-*"))
@@ -92,26 +93,36 @@ def test_cross_year_folds_and_the_shipped_student_rank_as_hllm_rerank_does(tmp_p
 
 def test_cross_validation_chooses_the_step_and_trains_on_every_query(tmp_path):
     from hllm.model.ranker import SinglePassRanker
-    from hllm.recipes.realtext import Collections, train_head
+    from hllm.recipes.realtext import Collections
+    from hllm.train.probes import VariantFitter
 
-    cfg = tiny_config(tmp_path, cv_folds=3)
+    cfg = tiny_config(tmp_path, cv_folds=3, **SGD)
     ranker = SinglePassRanker.build(cfg.ranker).eval()
-    items = Collections(cfg, ranker).items(str(tmp_path / "a")) + Collections(cfg, ranker).items(str(tmp_path / "b"))
-    record = train_head(ranker, items, cfg, seed=0)
+    data = Collections(cfg, ranker)
+    queries = data.all(str(tmp_path / "a")) + data.all(str(tmp_path / "b"))
+    fitter = VariantFitter(cfg, ranker, queries[0].states[1].shape[1] // 2)  # last+mean: two halves
+    record = fitter.fit(cfg.variants[0], None, queries)
     curve = record["cv_curve"]
     assert sorted(curve) == [0, 4, 8, 12] and record["best_step"] in curve
-    assert record["val_nDCG@10"] == max(curve.values()) and record["val_nDCG@10_at_start"] == curve[0]
-    assert record["train_queries"] == 8 and record["val_queries"] == 0
+    assert record["cv_score"] == max(curve.values()) and record["cv_first_stage"] == curve[0]
     with pytest.raises(ValueError, match="at least 2 of its"):
-        train_head(ranker, items[:1], cfg, seed=0)
+        fitter.fit(cfg.variants[0], None, queries[:1])
 
 
+TEACHER = "teachers=[{name: t, rankings: r.tsv}]"
 @pytest.mark.parametrize("overrides,match", [
     (["ranker.adapt.mode=lora"], "frozen"),
     (["ship_on=[x]"], "ship_on and ship_to go together"),
-    (["transfer=[x]"], "transfer collections are checked with the shipped head"),
+    (["transfer=[x]"], "transfer collections are checked with the shipped student"),
     ([], "nothing to do"),
-    (["fit=ridge", "folds=[{train_on: [a], test_on: [b]}]"], "fit=ridge sets a utility head under the logrank prior"),
+    (["cv_folds=1", "folds=2"], "cv_folds >= 2"),
+    (["folds=2"], "give teacher_collection"),
+    (["cross_year=[{train_on: [a], test_on: [b]}]", "variants=[{name: t, target: teacher}]"], "learns from a teacher"),
+    (["cross_year=[{train_on: [a], test_on: [b]}]", "variants=[{name: t, target: teacher}]", TEACHER, "teacher_collection=c"],
+     "a training set of"),
+    (["ship_on=[a]", "ship_to=x", "cascade_from=out-of-fold"], "out-of-fold"),
+    (["ship_on=[a]", "ship_to=x", "ship_method=student_distilled"], "there are none"),
+    (["ship_on=[a]", "ship_to=x", "variants=[{name: v, target: judgments, layer: 12}]"], "not among layers"),
 ])
 def test_bad_realtext_configs_say_why(overrides, match):
     with pytest.raises((ConfigError, ValueError), match=match):
@@ -121,7 +132,7 @@ def test_bad_realtext_configs_say_why(overrides, match):
 @pytest.mark.parametrize("path", REALTEXT_CONFIGS, ids=[p.name for p in REALTEXT_CONFIGS])
 def test_every_shipped_realtext_config_loads(path):
     cfg = load_config(RealTextConfig, path)
-    assert cfg.folds and cfg.ranker.head.prior != "none" and cfg.ranker.adapt.mode == "frozen"
+    assert (cfg.cross_year or cfg.folds) and cfg.ship_to and cfg.ranker.head.prior != "none" and cfg.ranker.adapt.mode == "frozen"
 
 
 def test_the_ridge_probe_ranks_by_its_utility_minus_the_scaled_log_rank(small_splits):
@@ -151,3 +162,19 @@ def test_the_ridge_probe_ranks_by_its_utility_minus_the_scaled_log_rank(small_sp
             u = (item.states @ w + b).double()
             fused = (u - u.mean()) / (u.std(unbiased=False) + 1e-6) - scale * torch.log1p(torch.arange(len(u), dtype=torch.float64))
             assert order[:8] == torch.argsort(fused, descending=True).tolist()[:8]
+
+
+def test_states_are_cached_under_the_recipes_config_whatever_head_was_fitted_last(tmp_path):
+    from hllm.model.ranker import SinglePassRanker
+    from hllm.recipes.realtext import Collections
+    from hllm.train.probes import Variant, VariantFitter
+
+    cfg = tiny_config(tmp_path, **RIDGE)
+    ranker = SinglePassRanker.build(cfg.ranker).eval()
+    data = Collections(cfg, ranker)
+    a = data.all(str(tmp_path / "a"))
+    VariantFitter(cfg, ranker, a[0].states[1].shape[1] // 2).new_head(Variant(name="m", target="judgments", layer=1, pooling="mean"))
+    assert ranker.cfg.pooling == "mean"  # a fitted head that reads half of the cached states
+    b = data.all(str(tmp_path / "b"))
+    assert b[0].states[1].shape == a[0].states[1].shape and ranker.cfg.pooling == "mean"
+    assert len(list((tmp_path / "run" / "states").iterdir())) == 2  # one folder a collection, both under the recipe's key

@@ -1,4 +1,4 @@
-"""Distillation from a real teacher's file at tiny scale: teacher-folds (every query tested once, each
+"""The real-text recipe with teachers: distillation from a real teacher's file at tiny scale: teacher-folds (every query tested once, each
 method's variant chosen on training queries), the share of the teacher's gain kept, cross-year, the
 shipped student ranking as the recipe measured it."""
 
@@ -14,7 +14,7 @@ from hllm.data.readers import read_qrels, read_slates
 from hllm.model.backbones import file_sha256
 from hllm.model.prompts import document_text
 from hllm.eval.metrics import share_kept
-from hllm.recipes.distilltext import DistillTextConfig, run
+from hllm.recipes.realtext import RealTextConfig, run
 from hllm.train.probes import teacher_grades
 from hllm.reranker import Reranker
 
@@ -38,9 +38,10 @@ def _teacher_run(root: Path, noise: int) -> Path:
     return path
 
 
-def tiny_config(tmp_path: Path) -> DistillTextConfig:
+def tiny_config(tmp_path: Path) -> RealTextConfig:
     a, b = _beir(tmp_path / "a", queries=9, docs=8), _beir(tmp_path / "b", queries=4, docs=8)
-    overrides = [f"output_dir={tmp_path / 'run'}", f"collection={a}", f"cross_year=[{b}]", "top_n=8", "folds=2", "cv_folds=2",
+    overrides = [f"output_dir={tmp_path / 'run'}", f"teacher_collection={a}", f"cross_year=[{{train_on: [{a}], test_on: [{b}]}}]",
+                 "top_n=8", "folds=2", "cv_folds=2",
                  f"teachers=[{{name: gold, rankings: {_teacher_run(a, 0)}}}, {{name: noisy, rankings: {_teacher_run(a, 2)}}}]",
                  "layers=[1, 2]", "ranker.state_layer=2", "ranker.adapt.mode=frozen", "ranker.pooling=last+mean", "ranker.prompt.max_doc_tokens=8", "ranker.head.positions=4",
                  "sgd_head.positions=4", "sgd_head.width=32", "sgd_head.num_heads=2", "teacher_depth=4",
@@ -48,15 +49,16 @@ def tiny_config(tmp_path: Path) -> DistillTextConfig:
                  "variants=[{name: r1, target: teacher, layer: 1, pooling: mean}, {name: r2, target: teacher, layer: 2},"
                  " {name: j2, target: judgments, layer: 2}, {name: b2, target: both, layer: 2, pooling: last},"
                  " {name: sgd, target: teacher, fit: sgd, layer: 2, sample_items: 4}]",
-                 f"ship_to={tmp_path / 'shipped'}"]
-    cfg = load_config(DistillTextConfig, None, overrides)
+                 f"ship_on=[{a}]", f"ship_to={tmp_path / 'shipped'}", "ship_method=student_distilled",
+                 "cascade_from=out-of-fold", "calibrate=true"]
+    cfg = load_config(RealTextConfig, None, overrides)
     cfg.ranker.model = TINY
     return cfg
 
 
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("distilltext")
+    tmp_path = tmp_path_factory.mktemp("realtext-teachers")
     cfg = tiny_config(tmp_path)
     return cfg, run(cfg), tmp_path
 
@@ -64,7 +66,7 @@ def distilled(tmp_path_factory):
 def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(distilled):
     cfg, report, tmp_path = distilled
     folds = report["teacher_folds"]
-    slates = read_slates("beir", cfg.collection, top_n=8)
+    slates = read_slates("beir", cfg.teacher_collection, top_n=8)
     assert folds["queries"] == 9 and report["coverage"]["gold"]["ranked"] == 9
     table = folds["table"]
     # the teacher's own figures are its file's, measured like every method (here: the grades' order of the candidates)
@@ -82,11 +84,13 @@ def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(dist
         assert picked in ("r1@gold", "r2@gold", "sgd@gold")
         assert cv[picked]["cv_score"] == max(cv[n]["cv_score"] for n in ("r1@gold", "r2@gold", "sgd@gold"))
     # cross-year: first stage and each method on the other collection
-    test = report["cross_year"]["tests"]["b"]
+    (cross,) = report["cross_year"]
+    assert cross["trained_on"] == ["a"] and cross["queries"] == 9
+    test = cross["tests"]["b"]
     assert test["queries"] == 4 and {"first_stage", "student_distilled@gold", "student_judged@gold"} <= set(test["methods"])
     # the shipped student ranks b as the recipe measured it, and its card names the teacher and the data
     card = json.loads((tmp_path / "shipped" / "model_card.json").read_text())
-    assert card["teacher"]["name"] == "gold" and card["training_data"] == {"collection": "a", "queries": 9, "top_n": 8}
+    assert card["teacher"]["name"] == "gold" and card["training_data"] == {"collections": ["a"], "queries": 9, "top_n": 8}
     shipped = Reranker.load(tmp_path / "shipped")
     b = read_slates("beir", tmp_path / "b", top_n=8)
     orders = [shipped.decode(m).permutation.tolist() for m in shipped.score_slates(b)]
@@ -131,12 +135,12 @@ def test_mlflow_records_a_parent_and_a_child_per_trial_with_the_reports_figures(
     import mlflow
 
     from pipelines.common import RecipeJob, TrackingConfig
-    from pipelines.recorded_recipes import log_distilltext as log_report
+    from pipelines.recorded_recipes import log_realtext as log_report
 
     cfg, report, tmp_path = distilled
-    parent = log_report(RecipeJob(cfg, TrackingConfig(experiment="hllm-distilltext", registered_model=None)), report)
+    parent = log_report(RecipeJob(cfg, TrackingConfig(experiment="hllm-realtext", registered_model=None)), report)
     mlflow.set_tracking_uri(f"sqlite:///{Path(cfg.output_dir).resolve() / 'mlflow.db'}")
-    children = mlflow.search_runs(experiment_names=["hllm-distilltext"], output_format="list",
+    children = mlflow.search_runs(experiment_names=["hllm-realtext"], output_format="list",
                                   filter_string=f"tags.mlflow.parentRunId = '{parent}'")
     trials = {c.data.tags["ablation.variant"]: c for c in children}
     assert set(trials) == {"r1@gold", "r1@noisy", "r2@gold", "r2@noisy", "j2", "b2@gold", "b2@noisy", "sgd@gold", "sgd@noisy"}
@@ -150,10 +154,11 @@ def test_mlflow_records_a_parent_and_a_child_per_trial_with_the_reports_figures(
         report["teacher_folds"]["share_kept"]["student_distilled@gold"]["share"])
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "distilltext").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_distilltext_config_loads_with_teachers_that_exist_in_its_data(path):
-    cfg = load_config(DistillTextConfig, path)
-    assert cfg.teachers and cfg.variants and cfg.ranker.adapt.mode == "frozen"
+@pytest.mark.parametrize("path", [p for p in sorted((ROOT / "configs" / "realtext").glob("*.yaml")) if "teachers:" in p.read_text()],
+                         ids=lambda p: p.name)
+def test_every_shipped_config_with_teachers_loads_with_teachers_that_exist_in_its_data(path):
+    cfg = load_config(RealTextConfig, path)
+    assert cfg.teachers and cfg.variants and cfg.folds and cfg.ranker.adapt.mode == "frozen"
     assert {v.target for v in cfg.variants} == {"teacher", "both", "judgments"}  # every method has a variant
     data = ROOT.parent / "shared" / "data"
     if data.is_dir():
@@ -179,7 +184,7 @@ def test_real_data_report_takes_the_teacher_folds_rows_and_keeps_every_other_row
     assert rows[0]["collection"] == "cranfield" and rows[0]["teacher"] == ""
     # the same (collection, split, method, teacher) is replaced where it stood: b's first stage, measured again
     assert [(r["collection"], r["method"]) for r in rows[1:3]] == [("b", "first_stage"), ("b", "student")]
-    assert float(rows[1]["nDCG@10"]) == pytest.approx(report["cross_year"]["tests"]["b"]["methods"]["first_stage"]["nDCG@10"], abs=1e-4)
+    assert float(rows[1]["nDCG@10"]) == pytest.approx(report["cross_year"][0]["tests"]["b"]["methods"]["first_stage"]["nDCG@10"], abs=1e-4)
     folds = [r for r in rows if r["split"] == "teacher-folds"]
     assert len(folds) == 2 * 5  # per teacher: first stage, teacher, three students
     table, shares = report["teacher_folds"]["table"], report["teacher_folds"]["share_kept"]
@@ -201,11 +206,11 @@ def test_the_cli_records_a_finished_report_and_refuses_one_of_another_config(dis
     from pipelines.cli import main as cli
 
     cfg, report, _ = distilled
-    config = tmp_path / "distill.yaml"
+    config = tmp_path / "realtext.yaml"
     config.write_text(yaml.safe_dump(to_dict(cfg)))
     store = f"tracking.tracking_uri=sqlite:///{tmp_path / 'cli.db'}"
     report_path = str(Path(cfg.output_dir) / "report.json")
-    assert cli(["distilltext", "--config", str(config), "--report", report_path, store]) in (0, None)
+    assert cli(["distilltext", "--config", str(config), "--report", report_path, store]) in (0, None)  # the old name: an alias
     out = capsys.readouterr().out
     assert "teacher-folds student_distilled@gold" in out and "mlflow parent run" in out
     assert cli(["distilltext", "--config", str(config), "--report", report_path, "cv_folds=3", store]) == 2
@@ -248,4 +253,4 @@ def test_a_variant_grades_the_teacher_to_its_own_depth(tmp_path):
     items, _ = fitter.views(both, "gold", [query])
     assert items[0].utility == pytest.approx([g + 3.0 * t / 6 for g, t in zip([0, 1, 0, 2, 0, 0], [4, 5, 3, 6, 1, 2])])
     with pytest.raises(ValueError, match="teacher_depth must be >= 1"):
-        DistillTextConfig(teachers=cfg.teachers, variants=[dataclasses.replace(v, layer=16, teacher_depth=0)])
+        RealTextConfig(teachers=cfg.teachers, variants=[dataclasses.replace(v, layer=16, teacher_depth=0)])
