@@ -22,6 +22,10 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hllm.job.refresh import Cycle
 
 PORT = 8133
 TITLE = "The data flywheel: shifted traffic, one cycle, the swap"
@@ -42,10 +46,10 @@ def shifted_traffic(n: int, seed: int):
     return out
 
 
-def true_label_figures(record: dict, truth: dict) -> dict[str, float]:
+def true_label_figures(record: Cycle, truth: dict) -> dict[str, float]:
     """nDCG@10 with the generator's labels on the cycle's held-out traffic, for the teacher (its
     rankings in the store), the new first stage, champion and challenger (their orders as the cycle
-    ranked them, `record["traffic_orders"]`), on the same slates; paired differences with 95% CIs."""
+    ranked them, `record.traffic_orders`), on the same slates; paired differences with 95% CIs."""
     import dataclasses
 
     import numpy as np
@@ -56,10 +60,10 @@ def true_label_figures(record: dict, truth: dict) -> dict[str, float]:
     from hllm.eval.evaluation import quality
     from hllm.eval.metrics import ir_metrics_per_query
 
-    items = store.read_rankings(record["rankings"]["test"])
+    items = store.read_rankings(record.rankings["test"])
     slates = [dataclasses.replace(i.slate, grades=truth[request_key(i.slate.query.text, [c.text for c in i.slate.candidates])])
               for i in items]
-    orders = record["traffic_orders"]
+    orders = record.traffic_orders
     perms = {"first_stage": [orders["first_stage"][s.slate_id] for s in slates],
              "teacher": [i.ranking.permutation for i in items],
              **{who: [orders[who][s.slate_id] for s in slates] for who in ("champion", "challenger")}}
@@ -134,10 +138,10 @@ def main() -> None:
     while time.time() < deadline and post_all_version(PORT, bodies[0]) != "models:/hllm-student/1":
         time.sleep(0.5)
     swap = swap_under_load(f"http://127.0.0.1:{PORT}/flywheel/v1/rerank", bodies[:50],
-                           lambda: promote("hllm-student", 2 if record["promoted"] else 1, "champion"),
-                           "models:/hllm-student/2" if record["promoted"] else "models:/hllm-student/1",
+                           lambda: promote("hllm-student", 2 if record.promoted else 1, "champion"),
+                           "models:/hllm-student/2" if record.promoted else "models:/hllm-student/1",
                            clients=2, before_s=5.0, timeout_s=120)
-    promote("hllm-student", record["challenger"].rsplit("/", 1)[1] if record["promoted"] else 1, "champion")
+    promote("hllm-student", record.challenger.rsplit("/", 1)[1] if record.promoted else 1, "champion")
     serve.shutdown()
     ray.shutdown()
     text = report(args, record, quality_now, swap.summary(), with_log, without, serve_s, pin_now=pin("models:/hllm-student@champion"))
@@ -152,27 +156,27 @@ def post_all_version(port: int, body: dict) -> str | None:
     return r.json()["meta"].get("model_version") if r.status_code == 200 else None
 
 
-def report(args, record: dict, q: dict, swap: dict, with_log: list[float], without: list[float], serve_s: float,
+def report(args, record: Cycle, q: dict, swap: dict, with_log: list[float], without: list[float], serve_s: float,
            pin_now: str) -> str:
-    f, c, s = record["figures"], record["counts"], record["seconds"]
+    f, c, s = record.figures, record.counts, record.seconds
     champ, chall = f["champion"], f["challenger"]
     gap_before, gap_after = q["teacher"] - q["champion"], q["teacher"] - q["challenger"]
     closed = 1 - gap_after / gap_before if gap_before > 0 else float("nan")
     lines = [
         f"gap before: {gap_before:+.4f} (teacher {q['teacher']:.4f} - served student {q['champion']:.4f}, nDCG@10 with the "
         f"true labels on {q['slates']} held-out shifted requests; paired 95% CI ±{q['teacher-champion'][1]:.4f})",
-        f"gap after: {gap_after:+.4f} (teacher {q['teacher']:.4f} - {'promoted' if record['promoted'] else 'refused'} "
+        f"gap after: {gap_after:+.4f} (teacher {q['teacher']:.4f} - {'promoted' if record.promoted else 'refused'} "
         f"challenger {q['challenger']:.4f}, ±{q['teacher-challenger'][1]:.4f}; {100 * closed:.0f}% of the gap closed; "
         f"challenger - champion {q['challenger-champion'][0]:+.4f} ±{q['challenger-champion'][1]:.4f})",
         f"original test change: {chall['original.nDCG@10'] - champ['original.nDCG@10']:+.4f} (challenger "
         f"{chall['original.nDCG@10']:.4f} vs champion {champ['original.nDCG@10']:.4f}, nDCG@10 on the job's 300 test "
-        f"slates; tolerance {record['config']['tolerance']})",
+        f"slates; tolerance {record.config['tolerance']})",
         f"swap requests: {swap['requests']} sent, {swap['failed']} failed",
     ]
     p50_log, p50_plain = statistics.median(with_log), statistics.median(without)
     return "\n".join([
         "\n".join(lines), "",
-        f"Verdict: {record['verdict']}. Alias now `models:/hllm-student@champion` -> `{pin_now}`.", "",
+        f"Verdict: {record.verdict}. Alias now `models:/hllm-student@champion` -> `{pin_now}`.", "",
         "**The drift.** " + __doc__.split("\n\n")[2].replace("\n", " ").removeprefix("The drift: the").split(" The script")[0].join(["The", ""]),
         "",
         f"**Traffic** ({args.requests} requests, N = 20, seed {args.seed}): sent in {serve_s:.0f} s to 2 replicas with the "
@@ -183,7 +187,7 @@ def report(args, record: dict, q: dict, swap: dict, with_log: list[float], witho
         f"| new first stage (the order they arrived in) | {q['first_stage']:.4f} |",
         f"| AR teacher (the embedded teacher, constrained decoding) | {q['teacher']:.4f} |",
         f"| served student before the cycle (champion, v1) | {q['champion']:.4f} |",
-        f"| challenger after one cycle ({args.steps} steps from the champion, replay {record['config']['replay_share']}) | "
+        f"| challenger after one cycle ({args.steps} steps from the champion, replay {record.config['replay_share']}) | "
         f"{q['challenger']:.4f} |", "",
         "| side by side (the refresh's own figures) | champion | challenger |", "| --- | ---: | ---: |",
         *[f"| {k} | {champ[k]:.4f} | {chall[k]:.4f} |" for k in ("original.nDCG@10", "original.kendall_tau",
@@ -206,7 +210,7 @@ def report(args, record: dict, q: dict, swap: dict, with_log: list[float], witho
     ])
 
 
-def plot(q: dict, record: dict, path: Path) -> None:
+def plot(q: dict, record: Cycle, path: Path) -> None:
     """Left: the models on the held-out shifted traffic (the new first stage: a dashed line); right:
     the paired differences per query with their 95% intervals."""
     import matplotlib

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from hllm.data import store, traffic  # noqa: E402
 from hllm.eval.evaluation import first_stage_order  # noqa: E402
-from hllm.job.refresh import (NothingToRefresh, Verdict, gate, refuse_foreign, replay_mix,  # noqa: E402
+from hllm.job.refresh import (Cycle, NothingToRefresh, Verdict, gate, refuse_foreign, replay_mix,  # noqa: E402
                                    reused_rankings, select_slates, side_by_side)
 from hllm.uris import registry_alias  # noqa: E402
 from pipelines.common import PipelineConfig, init_ray, log_metrics, mlflow_run, parse_job, tracking_uri  # noqa: E402
@@ -94,8 +94,8 @@ def rank_all(folder: Path, items: list) -> list[list[int]]:
     return [reranker.decode(m).permutation.tolist() for m in reranker.score_slates([i.slate for i in items])]
 
 
-def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]:
-    """One cycle; -> its record (counts, figures, verdict, versions, seconds by stage), also in MLflow."""
+def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> Cycle:
+    """One cycle; -> what it did (counts, figures, verdict, versions, seconds by stage), also in MLflow."""
     import mlflow
 
     from hllm import Reranker
@@ -172,14 +172,11 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict[str, Any]
         mlflow.set_tags({"challenger_version": challenger_uri, "verdict": verdict.text(), "gate_metric": r.gate_metric,
                          "alias_now": f"{r.champion} -> {pin(r.champion)}",
                          **({"rollout_alias": f"{moved} -> {version}"} if r.rollout_alias and verdict.promote else {})})
-        record = {"cycle": selection.cycle, "champion": champion_uri, "challenger": challenger_uri,
-                  "promoted": verdict.promote, "moved": moved if verdict.promote else None, "verdict": verdict.text(), "counts": selection.counts, "figures": figures,
-                  "seconds": seconds, "mlflow_run_id": run.info.run_id, "cycle_dir": str(out),
-                  "rankings": {split: str(rk.directory) for split, rk in new.items()}, "config": dataclasses.asdict(r),
-                  # each model's order of every held-out traffic slate, by slate id (what the figures were computed on)
-                  "traffic_orders": {who: {i.slate.slate_id: order for i, order in zip(held, p[len(test):])}
-                                     for who, p in perms.items()}}
-        (out / "cycle.json").write_text(json.dumps(record, indent=2))
+        record = Cycle(selection.cycle, champion_uri, challenger_uri, verdict.promote, moved if verdict.promote else None,
+                       verdict.text(), selection.counts, figures, seconds, run.info.run_id, str(out),
+                       {split: str(rk.directory) for split, rk in new.items()}, dataclasses.asdict(r),
+                       {who: {i.slate.slate_id: order for i, order in zip(held, p[len(test):])} for who, p in perms.items()})
+        (out / "cycle.json").write_text(json.dumps(record.to_json(), indent=2))
         mlflow.log_artifact(str(out / "cycle.json"))
     return record
 
@@ -190,10 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         record = run(cfg)
     except (NothingToRefresh, FileNotFoundError) as err:
         sys.exit(f"refresh: {err}")
-    print(f"cycle {record['cycle']}: {record['verdict']}")
+    print(f"cycle {record.cycle}: {record.verdict}")
     rollout = " (the serving app's rollout takes it on: shadow, canary, promotion)" if cfg.refresh.rollout_alias else ""
-    print(f"champion {record['champion']} -> challenger {record['challenger']}"
-          f"{' (now ' + record['moved'] + rollout + ')' if record['promoted'] else ''}; mlflow run {record['mlflow_run_id']}")
+    print(f"champion {record.champion} -> challenger {record.challenger}"
+          f"{' (now ' + record.moved + rollout + ')' if record.promoted else ''}; mlflow run {record.mlflow_run_id}")
 
 
 if __name__ == "__main__":

@@ -201,3 +201,26 @@ def gate(champion: dict[str, float], challenger: dict[str, float], cfg: RefreshC
                f"new traffic {cfg.gate_metric} {new_n:.4f} vs {new_c:.4f} ({new_n - new_c:+.4f}; needed > +{cfg.min_gain})"
                + ("" if gains else ": no gain")]
     return Verdict(keeps and gains, reasons)
+
+
+@dataclass
+class Cycle:
+    """One flywheel cycle, as `pipelines/refresh.py` ran it (also its `cycle.json` and an MLflow artifact)."""
+
+    cycle: str  # the selected slates' hash
+    champion: str  # models:/NAME/VERSION the challenger was compared with
+    challenger: str  # models:/NAME/VERSION it was registered as
+    promoted: bool
+    moved: str | None  # the alias the promotion moved (None: kept)
+    verdict: str  # Verdict.text(): the gate's figures and why
+    counts: dict[str, int]  # the traffic log's: records, duplicates, warned, train / test slates, files skipped...
+    figures: dict[str, dict[str, float]]  # champion / challenger / first_stage -> side_by_side's figures
+    seconds: dict[str, float]  # by step: read_log, label, fine_tune, evaluate
+    mlflow_run_id: str
+    cycle_dir: str  # where cycle.json, the replay mix and the challenger live
+    rankings: dict[str, str]  # split -> the teacher's rankings of the new traffic (a store folder)
+    config: dict[str, Any]  # the RefreshConfig it ran under
+    traffic_orders: dict[str, dict[str, list[int]]]  # model -> slate id -> its order of each held-out traffic slate
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -44,7 +44,7 @@ import torch
 
 from hllm.config import to_dict
 from hllm.data.cache import fields_key, fingerprint
-from hllm.data.readers import collection_name, read_slates
+from hllm.data.readers import collection_name
 from hllm.data.splits import split_by_hash
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import kendall_tau, share_kept, top10_by_query

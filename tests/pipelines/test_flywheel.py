@@ -104,22 +104,22 @@ def test_served_traffic_refreshes_the_champion_and_the_deployment_swaps_with_no_
 
         time.sleep(2)  # the replicas' time flush (0.5 s)
         record = refresh.run(cfg)
-        counts = record["counts"]
+        counts = record.counts
         distinct = len({request_key(b["query"], b["documents"]) for b in bodies})  # the draw may repeat a query
         assert counts["warned"] == 1 and counts["duplicates"] == 45 - distinct and counts["slates"] == distinct, counts
         assert counts["train"] + counts["test"] == distinct and counts["files_skipped"] == 0
-        assert record["promoted"] and record["challenger"] == "models:/hllm-student/2"
+        assert record.promoted and record.challenger == "models:/hllm-student/2"
         assert pin("models:/hllm-student@champion") == "models:/hllm-student/2"
-        figures = record["figures"]
+        figures = record.figures
         assert set(figures) == {"champion", "challenger", "first_stage"}
         assert {"original.nDCG@10", "original.kendall_tau", "traffic.kendall_tau", "traffic.top1_agreement",
                 "traffic.nDCG@10_vs_teacher"} <= set(figures["challenger"])
-        run = mlflow.get_run(record["mlflow_run_id"])
+        run = mlflow.get_run(record.mlflow_run_id)
         assert run.data.tags["champion_version"] == "models:/hllm-student/1"
         assert run.data.tags["challenger_version"] == "models:/hllm-student/2"
         assert run.data.tags["verdict"].startswith("PROMOTE") and run.data.metrics["promoted"] == 1.0
         assert run.data.metrics["log.warned"] == 1.0 and "challenger.traffic.kendall_tau" in run.data.metrics
-        assert json.loads((Path(record["cycle_dir"]) / "cycle.json").read_text())["challenger"] == record["challenger"]
+        assert json.loads((Path(record.cycle_dir) / "cycle.json").read_text())["challenger"] == record.challenger
 
         # the alias already moved: the running deployment follows it, under load, on a busy machine
         promote("hllm-student", 1, "champion")  # back, so that the drill sees the move happen
@@ -166,16 +166,16 @@ def test_a_cycle_the_gate_refuses_leaves_the_alias(job):
     strict = load_config(PipelineConfig, None, overrides + ["refresh.min_gain=1.0",  # no challenger gains a whole point
                                                             "refresh.rollout_alias=challenger"])
     record = refresh.run(strict)
-    assert not record["promoted"] and "no gain" in record["verdict"] and record["moved"] is None
-    assert record["champion"] == "models:/hllm-student/2" and record["challenger"] == "models:/hllm-student/3"
+    assert not record.promoted and "no gain" in record.verdict and record.moved is None
+    assert record.champion == "models:/hllm-student/2" and record.challenger == "models:/hllm-student/3"
     assert pin("models:/hllm-student@champion") == "models:/hllm-student/2"  # unchanged
     with pytest.raises(mlflow.exceptions.MlflowException):  # and no challenger alias was made
         pin("models:/hllm-student@challenger")
-    assert record["counts"]["teacher_labelled"] == len(escalated), record["counts"]
-    labelled = {i.slate.slate_id: i.ranking.permutation for d in record["rankings"].values()
+    assert record.counts["teacher_labelled"] == len(escalated), record.counts
+    labelled = {i.slate.slate_id: i.ranking.permutation for d in record.rankings.values()
                 for i in store.read_rankings(d)}
     assert {k: labelled[f"traffic-{k}"] for k in escalated} == escalated  # the served teacher's, not asked again
-    run = mlflow.get_run(record["mlflow_run_id"])
+    run = mlflow.get_run(record.mlflow_run_id)
     assert run.data.metrics["promoted"] == 0.0 and "KEEP" in run.data.tags["verdict"]
 
 
