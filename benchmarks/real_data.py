@@ -81,23 +81,19 @@ def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict],
     if transfer_only:
         report = {**report, "cross_year": [], "shipped": None}
     split_name = "transfer-confirm" if transfer_only else "transfer-test"
-    tested = []  # (row as the transfer checks write it, split)
+    tested, notes = [], []  # (a row as the transfer checks write it, its split); the notes
     for fit in report["cross_year"]:
         trial = fit["chosen"][key]
         for collection, test in fit["tests"].items():
             tested.append(({"collection": collection, "queries": test["queries"], "first_stage": test["methods"]["first_stage"],
                             "student": test["methods"][key], **test.get("guard", {}).get(trial, {})}, "cross-year"))
-            record = {**fit["cv"][trial], "cv_folds": cfg["cv_folds"]}
-            tested[-1][0]["note"] = (f"- {collection} ({test['queries']} queries) trained on {' + '.join(fit['trained_on'])} "
-                                     f"({fit['queries']} queries): student `{trial}` nDCG@10 {test['methods'][key]['nDCG@10']:.4f}; "
-                                     f"{chosen(record)}")
+            notes.append(f"- {collection} ({test['queries']} queries) trained on {' + '.join(fit['trained_on'])} ({fit['queries']} "
+                         f"queries): student `{trial}` nDCG@10 {test['methods'][key]['nDCG@10']:.4f}; "
+                         + chosen({**fit["cv"][trial], "cv_folds": cfg["cv_folds"]}))
     tested += [(t, split_name) for t in report["transfer"]]
-    rows, notes = [], []
-    for row, split in tested:
-        rows += [{"collection": row["collection"], "queries": row["queries"], "split": split, "method": method,
-                  "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
-                 for method, m in _methods(row)]
-        notes += [row["note"]] if "note" in row else []
+    rows = [{"collection": row["collection"], "queries": row["queries"], "split": split, "method": method,
+             "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)}
+            for row, split in tested for method, m in _methods(row)]
     for row, split in tested:
         if "trust" in row:
             trust = row["trust"]

@@ -65,7 +65,7 @@ def log_realtext(job: RecipeJob, report: dict[str, Any]) -> str:
         for fit in report["cross_year"]:
             for collection, test in fit["tests"].items():
                 for name, m in test["methods"].items():
-                    log_metrics(m, prefix=f"cross.{collection}.{name}.")
+                    log_metrics(m, prefix=f"cross.{'_and_'.join(fit['trained_on'])}.{collection}.{name}.")
         for t in report["transfer"]:
             log_metrics({"first_stage": t["first_stage"]["nDCG@10"], "student": t["student"]["nDCG@10"]},
                         prefix=f"transfer.{t['collection']}.nDCG_at_10.")

@@ -163,8 +163,10 @@ class RealTextConfig:
 # ---- trials and methods -----------------------------------------------------------------------------------------
 def trials(cfg: RealTextConfig) -> list[tuple[Variant, str | None]]:
     """Every (variant, teacher) to fit: a judgments-only variant once, the others once per teacher."""
-    return [(v, None) if v.target == "judgments" else (v, t.name) for v in cfg.variants
-            for t in (cfg.teachers[:1] or [None] if v.target == "judgments" else cfg.teachers)]
+    out: list[tuple[Variant, str | None]] = []
+    for v in cfg.variants:
+        out += [(v, None)] if v.target == "judgments" else [(v, t.name) for t in cfg.teachers]
+    return out
 
 
 def trial_name(v: Variant, teacher: str | None) -> str:
@@ -208,6 +210,51 @@ def cv_summary(records: dict[str, dict]) -> dict[str, dict[str, float]]:
 def means(slates: list[RerankRequest], orders: list[list[int]], rel: int) -> dict[str, float]:
     """nDCG@10 and MRR@10, means over the queries."""
     return {m: float(np.mean(list(v.values()))) for m, v in top10_by_query(slates, orders, rel).items()}
+
+
+# ---- the data ----------------------------------------------------------------------------------------------------
+class Collections:
+    """Each collection's queries with their cached states (and, for the teachers' collection, the teachers'
+    permutations), read once per run."""
+
+    def __init__(self, cfg: RealTextConfig, ranker: SinglePassRanker):
+        self.cfg, self.ranker = cfg, ranker
+        self._queries: dict[tuple[str, bool], list[CachedQuery]] = {}
+        self.coverage: dict[str, dict] = {}
+
+    def _load(self, path: str, transfer: bool) -> list[CachedQuery]:
+        """Read and cached under the recipe's own ranker config (a fitted variant's ranker reads another pooling)."""
+        def pick(slates: list[RerankRequest]) -> list[RerankRequest]:  # a transfer collection's hashed split, capped
+            rest, test = split_by_hash(slates, self.cfg.transfer_fraction)
+            return (test if self.cfg.transfer_split == "test" else rest)[: self.cfg.transfer_queries]
+
+        if (path, transfer) not in self._queries:
+            teachers = self.cfg.teachers if path == self.cfg.teacher_collection and not transfer else []
+            fitted, self.ranker.cfg = self.ranker.cfg, self.cfg.ranker
+            try:
+                self._queries[path, transfer], coverage = load_queries(self.cfg, self.ranker, path, teachers, pick if transfer else None)
+            finally:
+                self.ranker.cfg = fitted
+            self.coverage |= coverage
+        return self._queries[path, transfer]
+
+    def all(self, path: str) -> list[CachedQuery]:
+        return self._load(path, False)
+
+    def training(self, paths: list[str]) -> list[CachedQuery]:
+        return [q for p in paths for q in self.all(p)]
+
+    def transfer(self, path: str) -> list[CachedQuery]:
+        """Its hashed test split (or the rest of it: `transfer_split`), capped at `transfer_queries`."""
+        return self._load(path, True)
+
+    def every(self) -> None:
+        """Every collection the config names, its states computed where missing, before any fit."""
+        for path in dict.fromkeys([*filter(None, [self.cfg.teacher_collection]), *self.cfg.ship_on,
+                                   *(p for c in self.cfg.cross_year for p in [*c.train_on, *c.test_on])]):
+            self.all(path)
+        for path in self.cfg.transfer:
+            self.transfer(path)
 
 
 # ---- teacher-folds ----------------------------------------------------------------------------------------------
@@ -407,7 +454,7 @@ class CrossYearFit:
                 "tests": {c: t.report() for c, t in self.tests.items()}}
 
 
-def cross_year(cfg: RealTextConfig, data: "Collections", fits: Fits, fold: CrossYear) -> CrossYearFit:
+def cross_year(cfg: RealTextConfig, data: Collections, fits: Fits, fold: CrossYear) -> CrossYearFit:
     queries = data.training(fold.train_on)
     fitted = fits.on(fold.train_on, queries)
     records = {n: f.record for n, f in fitted.items()}
@@ -419,50 +466,6 @@ def cross_year(cfg: RealTextConfig, data: "Collections", fits: Fits, fold: Cross
                  "".join(f", {k} {m['nDCG@10']:.4f}" for k, m in test.methods.items() if k != "first_stage"))
     cv = {n: cv_summary(records)[n] | ({"guard": r["guard"]} if "guard" in r else {}) for n, r in records.items()}
     return CrossYearFit(list(map(collection_name, fold.train_on)), len(queries), chosen, cv, tests)
-
-
-class Collections:
-    """Each collection's queries with their cached states (and, for the teachers' collection, the teachers'
-    permutations), read once per run."""
-
-    def __init__(self, cfg: RealTextConfig, ranker: SinglePassRanker):
-        self.cfg, self.ranker = cfg, ranker
-        self._queries: dict[tuple[str, bool], list[CachedQuery]] = {}
-        self.coverage: dict[str, dict] = {}
-
-    def _load(self, path: str, transfer: bool) -> list[CachedQuery]:
-        """Read and cached under the recipe's own ranker config (a fitted variant's ranker reads another pooling)."""
-        def pick(slates: list[RerankRequest]) -> list[RerankRequest]:  # a transfer collection's hashed split, capped
-            rest, test = split_by_hash(slates, self.cfg.transfer_fraction)
-            return (test if self.cfg.transfer_split == "test" else rest)[: self.cfg.transfer_queries]
-
-        if (path, transfer) not in self._queries:
-            teachers = self.cfg.teachers if path == self.cfg.teacher_collection and not transfer else []
-            fitted, self.ranker.cfg = self.ranker.cfg, self.cfg.ranker
-            try:
-                self._queries[path, transfer], coverage = load_queries(self.cfg, self.ranker, path, teachers, pick if transfer else None)
-            finally:
-                self.ranker.cfg = fitted
-            self.coverage |= coverage
-        return self._queries[path, transfer]
-
-    def all(self, path: str) -> list[CachedQuery]:
-        return self._load(path, False)
-
-    def training(self, paths: list[str]) -> list[CachedQuery]:
-        return [q for p in paths for q in self.all(p)]
-
-    def transfer(self, path: str) -> list[CachedQuery]:
-        """Its hashed test split (or the rest of it: `transfer_split`), capped at `transfer_queries`."""
-        return self._load(path, True)
-
-    def every(self) -> None:
-        """Every collection the config names, its states computed where missing, before any fit."""
-        for path in dict.fromkeys([*filter(None, [self.cfg.teacher_collection]), *self.cfg.ship_on,
-                                   *(p for c in self.cfg.cross_year for p in [*c.train_on, *c.test_on])]):
-            self.all(path)
-        for path in self.cfg.transfer:
-            self.transfer(path)
 
 
 # ---- the shipped student ----------------------------------------------------------------------------------------
