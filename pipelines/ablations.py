@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
 
-from hllm.job.ablations import (QUALITY, REFERENCE, AblationConfig, Baseline, Cell, Row, aggregate,  # noqa: E402
+from hllm.job.ablations import (QUALITY, REFERENCE, AblationConfig, Baseline, Cell, Row, Study, aggregate,  # noqa: E402
                                     baseline_metrics, decoder_comparison, expand_cells, flat_metrics, scores_to_perm,
                                     slates_of_size, train_cell, with_seed)
 from hllm.config import from_dict, load_config, to_dict  # noqa: E402
@@ -149,8 +149,8 @@ def baselines(cfg: PipelineConfig, teacher, test_rankings: Rankings) -> dict[str
             "AR teacher": baseline_metrics(test, teacher_perms, teacher_perms, rel)}
 
 
-def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = None) -> dict[str, Any]:
-    """-> {"rows", "decoders", "latency_by_n", "failures", "reports", "mlflow_run_id"}."""
+def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = None) -> Study:
+    """Every cell x seed (reused when done), the baselines, latency by slate size, the report, the MLflow runs."""
     import mlflow
 
     from hllm.model.backbones import resolve_device
@@ -201,8 +201,7 @@ def run(cfg: PipelineConfig, grid: AblationConfig, parent_run_id: str | None = N
         log_metrics({"cells": len(cells), "cell_runs": len(results), "failed_cell_runs": len(failures)})
         log_children(cfg, grid, cells, results, latency, base, teacher_model, parent.info.run_id)
         parent_id = parent.info.run_id
-    return {"rows": table, "csv_rows": rows, "decoders": decoders, "latency_by_n": latency_by_n, "failures": failures,
-            "reports": [str(p) for p in paths], "mlflow_run_id": parent_id}
+    return Study(table, rows, decoders, latency_by_n, failures, [str(p) for p in paths], parent_id)
 
 
 def log_children(cfg: PipelineConfig, grid: AblationConfig, cells: list[Cell], results: dict, latency: dict, base: dict,

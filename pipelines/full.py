@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"serve: {smoke['url']} answered top-5 {smoke['top5']} in {smoke['latency_ms']:.0f} ms "
               f"(top-1 grade {smoke['top1_grade']})")
     if study:
-        print(f"ablations: {study['reports'][0]} ({len(study['failures'])} failed cell runs), mlflow run {study['mlflow_run_id']}")
+        print(f"ablations: {study.reports[0]} ({len(study.failures)} failed cell runs), mlflow run {study.mlflow_run_id}")
     print(f"mlflow: parent run {parent_id}, distill run {distill_run_id} at {tracking_uri(cfg)}")
     print(f"total {time.perf_counter() - t0:.0f}s")
-    if study and study["failures"]:
-        sys.exit(f"{len(study['failures'])} ablation cell run(s) failed (listed in {study['reports'][0]})")
+    if study and study.failures:
+        sys.exit(f"{len(study.failures)} ablation cell run(s) failed (listed in {study.reports[0]})")
 
 
 if __name__ == "__main__":

@@ -215,6 +215,19 @@ class Row:
     metrics: dict[str, tuple[float, float]]  # key -> (mean, CI half-width)
 
 
+@dataclass
+class Study:
+    """An ablation grid's run (`pipelines/ablations.py`): what its report shows and where it went."""
+
+    rows: list[Row]  # the report's table: every cell with the main decoder, then the baselines
+    csv_rows: list[Row]  # every cell with every decoder, then the baselines (the CSV)
+    decoders: list[dict[str, Any]]  # decoder_comparison's rows: each decoder against the main one, per cell
+    latency_by_n: dict[int, dict[str, dict[str, float]]]  # slate size -> method -> p50 / p95 ms
+    failures: list[dict[str, Any]]  # cell x seed runs that failed: variant, seed, error (retried on a re-run)
+    reports: list[str]  # the Markdown report, the CSV, the plots
+    mlflow_run_id: str  # the grid's parent run
+
+
 def aggregate(name: str, axes: str, per_seed: list[dict[str, Any]], decoder: str, latency: dict[str, float],
               confidence: float) -> Row:
     """Seeds of one cell -> a Row for `decoder` (latency is per cell, measured once)."""

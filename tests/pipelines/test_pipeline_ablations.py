@@ -34,23 +34,23 @@ def test_grid_runs_reports_and_resumes(tiny_job, tmp_path):
     grid = AblationConfig(**{**GRID.__dict__, "reports_dir": str(tmp_path / "reports")})
     out = ablations.run(cfg, grid)
 
-    assert [(f["variant"], f["seed"]) for f in out["failures"]] == [("missing_model", 0), ("missing_model", 1)]
-    cells = [r for r in out["rows"] if r.kind == "cell"]
+    assert [(f["variant"], f["seed"]) for f in out.failures] == [("missing_model", 0), ("missing_model", 1)]
+    cells = [r for r in out.rows if r.kind == "cell"]
     assert [r.variant for r in cells] == ["reference", "linear", "scalar_listmle", "graded", "frozen"]
-    assert [r.variant for r in out["rows"] if r.kind == "baseline"] == ["first stage", "FIRST-style", "AR teacher"]
+    assert [r.variant for r in out.rows if r.kind == "baseline"] == ["first stage", "FIRST-style", "AR teacher"]
     for r in cells:
         assert r.seeds == 2 and r.metrics["validity"][0] == 1.0
         mean, half = r.metrics["nDCG@10"]
         assert 0 <= mean <= 1 and half == half  # a finite CI from two seeds
         assert r.metrics["latency_p50_ms"][0] > 0
-    teacher = next(r for r in out["rows"] if r.variant == "AR teacher")
+    teacher = next(r for r in out.rows if r.variant == "AR teacher")
     assert teacher.metrics["kendall_tau"][0] == pytest.approx(1.0) and teacher.metrics["latency_p50_ms"][0] > 0
-    decoders = {(d["variant"], d["decoder"]): d for d in out["decoders"]}
+    decoders = {(d["variant"], d["decoder"]): d for d in out.decoders}
     assert len(decoders) == 5 * 5 and decoders[("reference", "hungarian")]["delta_vs_main"] == 0.0
     assert decoders[("scalar_listmle", "sort")]["same_as_main"] == 1.0  # one column: Hungarian = sorting
-    assert set(out["latency_by_n"]) == {4, 8} and set(out["latency_by_n"][8]) == {"AR teacher", "single pass", "FIRST-style"}
+    assert set(out.latency_by_n) == {4, 8} and set(out.latency_by_n[8]) == {"AR teacher", "single pass", "FIRST-style"}
 
-    names = {p.rsplit("/", 1)[1] for p in out["reports"]}
+    names = {p.rsplit("/", 1)[1] for p in out.reports}
     assert names == {"ablations.md", "ablations.csv", "ablations_metrics.png", "ablations_decoders.png",
                      "ablations_latency_vs_n.png"}
     assert "## Failed cells (2)" in (tmp_path / "reports" / "ablations.md").read_text()
@@ -60,7 +60,7 @@ def test_grid_runs_reports_and_resumes(tiny_job, tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     client = mlflow.MlflowClient()
     children = mlflow.search_runs(experiment_names=["hllm"], output_format="list",
-                                  filter_string=f"tags.mlflow.parentRunId = '{out['mlflow_run_id']}'")
+                                  filter_string=f"tags.mlflow.parentRunId = '{out.mlflow_run_id}'")
     kinds = sorted(r.data.tags["ablation.kind"] for r in children)
     assert kinds == ["baseline"] * 3 + ["cell"] * 10
     shared = {"nDCG_at_1", "nDCG_at_5", "nDCG_at_10", "MRR_at_10", "kendall_tau", "top1_agreement", "validity", "latency_p50_ms"}
@@ -69,11 +69,11 @@ def test_grid_runs_reports_and_resumes(tiny_job, tmp_path):
     cell = next(r for r in children if r.info.run_name == "linear/seed1")
     assert cell.data.params["student.head.kind"] == "linear" and cell.data.params["student.train.seed"] == "1"
     assert [m.step for m in client.get_metric_history(cell.info.run_id, "loss")] == [1, 2, 3]
-    artifacts = {a.path for a in client.list_artifacts(out["mlflow_run_id"])}
+    artifacts = {a.path for a in client.list_artifacts(out.mlflow_run_id)}
     assert {"ablations.md", "ablations.csv", "ablations_metrics.png", "grid.json"} <= artifacts
 
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "ablations").rglob("stage.json")}
     assert len(stamps) == 10
     again = ablations.run(cfg, grid)  # a re-run trains nothing that is done (the broken cell retries and fails again)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ablations").rglob("stage.json")} == stamps
-    assert len(again["failures"]) == 2
+    assert len(again.failures) == 2
