@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `ray job submit --working-dir .`
@@ -29,7 +30,17 @@ from pipelines.common import PipelineConfig, init_ray, parse_job, mlflow_run, tr
 log = logging.getLogger("hllm.pipelines.full")
 
 
-def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
+@dataclass
+class SmokeTest:
+    """The deployed student's answer to one real request over HTTP."""
+
+    url: str
+    top5: list[int]  # the candidates it put first, by index
+    latency_ms: float  # the request's round trip
+    top1_grade: int | None  # the judged grade of its first answer (None: an unjudged slate)
+
+
+def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> SmokeTest:
     """Deploys the student on Ray Serve (loopback) and sends one real request over HTTP."""
     import requests
     from ray import serve
@@ -51,8 +62,8 @@ def deploy_and_smoke_test(cfg: PipelineConfig, student_dir: Path) -> dict:
     top = [r["index"] for r in results]
     if len(set(top)) != len(top) or not all(0 <= i < len(slate.candidates) for i in top):
         raise RuntimeError(f"smoke test: invalid ranking {top}")
-    return {"url": f"http://127.0.0.1:{cfg.cluster.serve_port}/v1/rerank", "top5": top, "latency_ms": latency_ms,
-            "top1_grade": slate.grades[top[0]] if slate.grades else None}
+    return SmokeTest(f"http://127.0.0.1:{cfg.cluster.serve_port}/v1/rerank", top, latency_ms,
+                     slate.grades[top[0]] if slate.grades else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         import mlflow
 
         if smoke:
-            mlflow.log_metric("serve.smoke_latency_ms", smoke["latency_ms"])
+            mlflow.log_metric("serve.smoke_latency_ms", smoke.latency_ms)
         summary = summary_lines(report, cfg.eval.main_decoder)
         mlflow.log_text("\n".join(summary), "summary.txt")
         parent_id = parent.info.run_id
@@ -85,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in summary:
         print(line)
     if smoke:
-        print(f"serve: {smoke['url']} answered top-5 {smoke['top5']} in {smoke['latency_ms']:.0f} ms "
-              f"(top-1 grade {smoke['top1_grade']})")
+        print(f"serve: {smoke.url} answered top-5 {smoke.top5} in {smoke.latency_ms:.0f} ms (top-1 grade {smoke.top1_grade})")
     if study:
         print(f"ablations: {study.reports[0]} ({len(study.failures)} failed cell runs), mlflow run {study.mlflow_run_id}")
     print(f"mlflow: parent run {parent_id}, distill run {distill_run_id} at {tracking_uri(cfg)}")
