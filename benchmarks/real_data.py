@@ -45,6 +45,7 @@ from hllm.eval.evaluation import evaluate_student, evaluate_teacher, first_stage
 from hllm.model.backbones import resolve_device
 from hllm.job.stages import load_teacher, teacher_model
 from hllm.records import RerankRequest
+from hllm.recipes.realtext import RealTextConfig, shipped_key
 from hllm.reranker import Reranker
 from hllm.teacher.baselines import first_style_orders
 from pipelines.common import PipelineConfig
@@ -77,7 +78,7 @@ def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict],
     run on the other side of the hashed split)."""
     report = json.loads((run / "report.json").read_text())
     cfg = json.loads((run / "config.json").read_text())
-    key = cfg["ship_method"] + (f"@{cfg['teachers'][0]['name']}" if cfg["teachers"] else "")
+    key = shipped_key(from_dict(RealTextConfig, cfg))  # the shipped method's name in the report
     if transfer_only:
         report = {**report, "cross_year": [], "shipped": None}
     split_name = "transfer-confirm" if transfer_only else "transfer-test"

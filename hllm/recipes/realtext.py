@@ -207,9 +207,14 @@ def cv_summary(records: dict[str, dict]) -> dict[str, dict[str, float]]:
             for n, r in records.items()}
 
 
+def averaged(by_query: dict[str, dict[str, float]]) -> dict[str, float]:
+    """`top10_by_query`'s figures -> their means over the queries."""
+    return {m: float(np.mean(list(v.values()))) for m, v in by_query.items()}
+
+
 def means(slates: list[RerankRequest], orders: list[list[int]], rel: int) -> dict[str, float]:
     """nDCG@10 and MRR@10, means over the queries."""
-    return {m: float(np.mean(list(v.values()))) for m, v in top10_by_query(slates, orders, rel).items()}
+    return averaged(top10_by_query(slates, orders, rel))
 
 
 # ---- the data ----------------------------------------------------------------------------------------------------
@@ -223,18 +228,13 @@ class Collections:
         self.coverage: dict[str, dict] = {}
 
     def _load(self, path: str, transfer: bool) -> list[CachedQuery]:
-        """Read and cached under the recipe's own ranker config (a fitted variant's ranker reads another pooling)."""
         def pick(slates: list[RerankRequest]) -> list[RerankRequest]:  # a transfer collection's hashed split, capped
             rest, test = split_by_hash(slates, self.cfg.transfer_fraction)
             return (test if self.cfg.transfer_split == "test" else rest)[: self.cfg.transfer_queries]
 
         if (path, transfer) not in self._queries:
             teachers = self.cfg.teachers if path == self.cfg.teacher_collection and not transfer else []
-            fitted, self.ranker.cfg = self.ranker.cfg, self.cfg.ranker
-            try:
-                self._queries[path, transfer], coverage = load_queries(self.cfg, self.ranker, path, teachers, pick if transfer else None)
-            finally:
-                self.ranker.cfg = fitted
+            self._queries[path, transfer], coverage = load_queries(self.cfg, self.ranker, path, teachers, pick if transfer else None)
             self.coverage |= coverage
         return self._queries[path, transfer]
 
@@ -330,7 +330,7 @@ def summarize(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherFol
     table = {}
     for name, orders in list(runs.items()) + [(f"trial:{k}", v) for k, v in folds.trial_orders.items()]:
         pq = top10_by_query(slates, orders, cfg.rel)
-        table[name] = {m: float(np.mean(list(v.values()))) for m, v in pq.items()} | {"per_query_nDCG@10": pq["nDCG@10"]}
+        table[name] = averaged(pq) | {"per_query_nDCG@10": pq["nDCG@10"]}
         for t in cfg.teachers:
             table[name][f"tau_to_{t.name}"] = float(np.mean([kendall_tau(o, q.perms[t.name]) for o, q in zip(orders, queries)]))
     qids = list(table["first_stage"]["per_query_nDCG@10"])

@@ -107,15 +107,20 @@ class CachedQuery:
 def load_queries(cfg: ProbeSettings, ranker: SinglePassRanker, path: str, teachers: list[TeacherRun],
                  pick: Callable[[list[RerankRequest]], list[RerankRequest]] | None = None) -> tuple[list[CachedQuery], dict]:
     """The collection's slates (`pick`: those it keeps, e.g. a hashed test split) with their cached states (computed
-    where missing) and the teachers' rankings; -> (queries, each teacher's coverage counts). A query a teacher does not
+    where missing, always as `cfg.ranker` cuts and pools them: a fitted variant's head on `ranker` changes neither) and
+    the teachers' rankings; -> (queries, each teacher's coverage counts). A query a teacher does not
     rank is an error here: the folds compare every method on the same queries."""
     slates = read_slates("beir", path, top_n=cfg.top_n)
     if pick is not None:
         slates = pick(slates)
     name = collection_name(path)
-    dirs = {layer: Path(cfg.output_dir) / "states" / f"{name}-{layer_key(ranker.cfg, layer, slates)}" for layer in cfg.layers}
-    states = cached_layer_states(ranker, slates, dirs, cfg.shard_slates, progress=lambda done, total, s: log.info(
-        "  %s: %d/%d state shards (%.0fs)", name, done, total, s))
+    dirs = {layer: Path(cfg.output_dir) / "states" / f"{name}-{layer_key(cfg.ranker, layer, slates)}" for layer in cfg.layers}
+    fitted, ranker.cfg = ranker.cfg, cfg.ranker  # the states of the config's cut and pooling, whatever head `ranker` carries now
+    try:
+        states = cached_layer_states(ranker, slates, dirs, cfg.shard_slates, progress=lambda done, total, s: log.info(
+            "  %s: %d/%d state shards (%.0fs)", name, done, total, s))
+    finally:
+        ranker.cfg = fitted
     perms, coverage = {}, {}
     for t in teachers:
         rankings, cov = external_rankings(t.format, t.rankings, slates)
