@@ -12,7 +12,7 @@
     hllm realtext --config configs/realtext/smollm2-trec-dl.yaml           # MLflow: pipelines/recorded_recipes.py
     hllm realtext --config configs/realtext/smollm2-dl19-rankvicuna.yaml   # (hllm distilltext: its old name, an alias)
     hllm order --config configs/order/smollm2.yaml                         # = python -m hllm.recipes.order
-    hllm adaptation --config configs/adaptation/dl19-multistage.yaml   # MLflow: pipelines/recorded_recipes.py
+    hllm realtext --config configs/realtext/smollm2-dl19-multistage.yaml   # (alias: hllm adaptation) MLflow: pipelines/recorded_recipes.py
     hllm refresh refresh.log_path=runs/traffic                            # = python pipelines/refresh.py: one flywheel cycle
     hllm export-teacher runs/embedded-teacher                             # a bootstrapped teacher -> preset embedded
 
@@ -310,13 +310,6 @@ def cmd_order(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_adaptation(args: argparse.Namespace) -> int:
-    from pipelines import recorded_recipes
-
-    recorded_recipes.main("adaptation", [f"--config={args.config}", *([f"--report={args.report}"] if args.report else []), *args.overrides])
-    return 0
-
-
 def cmd_refresh(args: argparse.Namespace) -> int:
     from pipelines import refresh
 
@@ -476,11 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("overrides", nargs="*", help="key=value overrides, e.g. refresh.log_path=runs/traffic")
     f.set_defaults(func=cmd_refresh)
 
-    t = sub.add_parser("realtext", aliases=["distilltext"], help="real text: a frozen LM's cached states, probes fitted on "
-                       "the judgments, a teacher's rankings (a file) or both; teacher-folds, cross-year, the shipped student, "
-                       "MLflow runs (hllm.recipes.realtext; distilltext: its old name)")
+    t = sub.add_parser("realtext", aliases=["distilltext", "adaptation"], help="real text: a frozen LM's cached states, "
+                       "students fitted on the judgments, a teacher's rankings (a file) or both — closed-form probes, heads by "
+                       "SGD, LoRA over cached prefix states; one or several first stages; teacher-folds, the first-stage blend, "
+                       "cross-year, the shipped student, MLflow runs (hllm.recipes.realtext; distilltext, adaptation: old names)")
     t.add_argument("--config", required=True, help="YAML config (e.g. configs/realtext/smollm2-trec-dl.yaml, "
-                   "configs/realtext/smollm2-dl19-rankvicuna.yaml)")
+                   "configs/realtext/smollm2-dl19-rankvicuna.yaml, configs/realtext/smollm2-dl19-multistage.yaml)")
     t.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
     t.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
     t.set_defaults(func=cmd_realtext)
@@ -491,12 +485,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("overrides", nargs="*", help="key=value overrides")
     o.set_defaults(func=cmd_order)
 
-    a = sub.add_parser("adaptation", help="LoRA students over cached prefill states beside the frozen probe, five first "
-                       "stages, two backbone families, the first stage blended in; MLflow runs (pipelines/recorded_recipes.py)")
-    a.add_argument("--config", required=True, help="YAML config (e.g. configs/adaptation/dl19-multistage.yaml)")
-    a.add_argument("--report", help="record this finished run's report.json in MLflow instead of running")
-    a.add_argument("overrides", nargs="*", help="key=value overrides; tracking.key=value for MLflow")
-    a.set_defaults(func=cmd_adaptation)
     return parser
 
 

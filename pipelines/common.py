@@ -113,7 +113,7 @@ class RecipeJob:
 
 def parse_recipe_job(recipe_cls: type, doc: str, default_tracking: list[str], example: str,
                      argv: list[str] | None = None) -> tuple[Any, TrackingConfig, str | None]:
-    """A recorded recipe's command line (`hllm realtext`, `hllm adaptation`): `--config FILE`, `--report` (record a
+    """A recorded recipe's command line (`hllm realtext`): `--config FILE`, `--report` (record a
     finished run's report.json instead of running), `key=value` overrides for the recipe and `tracking.key=value` for
     MLflow. Logging set up. -> (the recipe's config, the tracking config, the report path or None)."""
     import argparse

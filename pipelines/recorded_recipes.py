@@ -2,15 +2,13 @@
 variant or student with its settings as params, so the ablation compares in MLflow's UI like the embedded grid's cells.
 
     hllm realtext --config configs/realtext/smollm2-dl19-rankvicuna.yaml [key=value ...] [tracking.experiment=...]
-    hllm adaptation --config configs/adaptation/dl19-multistage.yaml [key=value ...] [tracking.experiment=...]
-    hllm realtext --config ... --report runs/distilltext/report.json   # record a finished run's report (same for adaptation)
+    hllm realtext --config configs/realtext/smollm2-dl19-multistage.yaml [key=value ...]
+    hllm realtext --config ... --report runs/realtext/report.json   # record a finished run's report
 
-- realtext (`hllm.recipes.realtext`; `hllm distilltext` is its old name): the parent holds the methods' teacher-folds
-  and cross-year figures, the transfer checks and the calibration; a child per trial (a variant fitted on one teacher,
-  or on the judgments).
-- adaptation (`hllm.recipes.adaptation`): the parent holds the first stage's and teacher's figures per stage; a child per
-  student (its backbone, kind, cut, LoRA and training settings as params; nDCG@10, tau, change from the first stage and
-  share kept per stage, raw and blended with the first stage; seconds a fold and each fold's last loss).
+realtext (`hllm.recipes.realtext`; `hllm distilltext` and `hllm adaptation` are its old names): the parent holds the
+methods' teacher-folds and cross-year figures (per first stage, the first stage's and teacher's), the transfer checks and
+the calibration; a child per trial (a variant fitted on one teacher, or on the judgments: its settings as params; its
+teacher-folds figures, per first stage raw and blended with the first stage; seconds a fold and each fold's last loss).
 
 The recipe runs in this process (its states are cached; a stopped run resumes); MLflow's store defaults to sqlite
 under the recipe's output_dir.
@@ -29,8 +27,8 @@ from typing import Any
 
 from hllm.config import to_dict
 from hllm.data.cache import fingerprint
-from hllm.recipes import adaptation, realtext
-from hllm.recipes.adaptation import BLENDED, StudentSpec
+from hllm.eval.blend import BLENDED
+from hllm.recipes import realtext
 from hllm.recipes.realtext import trial_name, trials
 from hllm.train.probes import Variant
 from pipelines.common import RecipeJob, TrackingConfig, log_metrics, mlflow_run, parse_recipe_job
@@ -48,6 +46,11 @@ class TrialRun:
     tracking: TrackingConfig
 
 
+def _figures(row: dict[str, Any]) -> dict[str, Any]:
+    """A report row's figures as metrics (log_metrics flattens the nested share kept), its per-query values left out."""
+    return {k: v for k, v in row.items() if k != "per_query_nDCG@10"}
+
+
 def log_realtext(job: RecipeJob, report: dict[str, Any]) -> str:
     """The parent run and one child per trial; -> the parent's run id."""
     import mlflow
@@ -59,7 +62,7 @@ def log_realtext(job: RecipeJob, report: dict[str, Any]) -> str:
             log_metrics({"queries": folds["queries"]})
             for name, row in folds["table"].items():
                 if not name.startswith("trial:"):
-                    log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix=f"folds.{name}.")
+                    log_metrics(_figures(row), prefix=f"folds.{name}.")
             for name, share in folds["share_kept"].items():
                 log_metrics(share, prefix=f"folds.{name}.share_kept.")
         for fit in report["cross_year"]:
@@ -73,6 +76,9 @@ def log_realtext(job: RecipeJob, report: dict[str, Any]) -> str:
         if cal:
             log_metrics({"ece_held_out_queries": cal["oof"]["ece"]} | {f"ece.{c}": r["ece"] for c, r in cal["cross_year"].items()},
                         prefix="calibration.")
+        for stage, got in report.get("by_stage", {}).items():
+            for name in ("first_stage", *(realtext.method_key("teacher", t.name) for t in cfg.teachers)):
+                log_metrics(_figures(got["table"][name]), prefix=f"stage.{stage}.{name}.")
         parent_id = parent.info.run_id
         for v, teacher in trials(cfg):
             name = trial_name(v, teacher)
@@ -81,59 +87,25 @@ def log_realtext(job: RecipeJob, report: dict[str, Any]) -> str:
                                                                    "ablation.target": v.target}):
                 if folds:
                     row = folds["table"][f"trial:{name}"]
-                    log_metrics({k: x for k, x in row.items() if k != "per_query_nDCG@10"}, prefix="folds.")
+                    log_metrics(_figures(row), prefix="folds.")
                     log_metrics({"folds_chosen": sum(name in c.values() for c in folds["chosen"])})
                     for f, cv in enumerate(folds["cv"]):
                         log_metrics(cv[name], step=f, prefix="fold_cv.")
+                for stage, got in report.get("by_stage", {}).items():
+                    for suffix in ("", BLENDED):
+                        if f"trial:{name}{suffix}" in got["table"]:
+                            log_metrics(_figures(got["table"][f"trial:{name}{suffix}"]), prefix=f"stage.{stage}.{'blended' if suffix else 'raw'}.")
+                for f, fold in enumerate(report.get("fits", {}).get(name, [])):
+                    log_metrics({"fold_seconds": fold["seconds"]} | {f"last_{k}": x for k, x in fold["last"].items() if k in ("loss", "elapsed_s")}, step=f)
+                for stage, weights in report.get("first_stage_weights", {}).get(name, {}).items():
+                    for f, w in enumerate(weights):
+                        log_metrics({f"first_stage_weight.{stage}": min(w, 1e9)}, step=f)
                 for fit in report["cross_year"]:
                     if name in fit["cv"]:
                         trained = "_and_".join(fit["trained_on"])
                         log_metrics({k: x for k, x in fit["cv"][name].items() if k != "guard"}, prefix=f"cross.{trained}.")
                         for collection, test in fit["tests"].items():
                             log_metrics(test["trials"][name], prefix=f"cross.{trained}.{collection}.")
-    return parent_id
-
-
-@dataclass
-class StudentRun:
-    """A child run's params: the student's spec."""
-
-    student: StudentSpec
-    output_dir: str
-    tracking: TrackingConfig
-
-
-def _figures(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if k != "per_query"}
-
-
-def log_adaptation(job: RecipeJob, report: dict[str, Any]) -> str:
-    """The parent run and one child per student; -> the parent's run id."""
-    import mlflow
-
-    cfg, table = job.recipe, report["table"]
-    with mlflow_run(job, "adaptation", **{"hllm.data": Path(cfg.data).name}) as parent:
-        mlflow.log_dict(report, "report.json")
-        mlflow.log_text(adaptation.markdown(cfg, report), "report.md")
-        log_metrics({"queries": report["queries"], "seconds": report["seconds"]})
-        for stage, rows in table.items():
-            for name in ("first_stage", "teacher"):
-                log_metrics(_figures(rows[name]), prefix=f"{stage}.{name}.")
-        parent_id = parent.info.run_id
-        for s in cfg.students:
-            child = StudentRun(s, cfg.output_dir, dataclasses.replace(job.tracking, run_name=s.name))
-            with mlflow_run(child, "adaptation-student", parent_id, **{"ablation.variant": s.name, "ablation.kind": s.kind,
-                                                                       "ablation.backbone": s.model.preset}):
-                for stage, rows in table.items():
-                    for suffix in ("", BLENDED):
-                        if s.name + suffix in rows:
-                            log_metrics(_figures(rows[s.name + suffix]), prefix=f"{stage}.{'blended' if suffix else 'raw'}.")
-                for f, seconds in enumerate(report["fold_seconds"][s.name]):
-                    log_metrics({"fold_seconds": seconds} | {f"last_{k}": v for k, v in report["history"][s.name][f].items()
-                                                             if k in ("loss", "elapsed_s")}, step=f)
-                for stage, weights in report["first_stage_weights"][s.name].items():
-                    for f, w in enumerate(weights):
-                        log_metrics({f"first_stage_weight.{stage}": min(w, 1e9)}, step=f)
     return parent_id
 
 
@@ -156,9 +128,6 @@ RECIPES = {
                                ["experiment=hllm-realtext", "registered_model=null"], realtext.run, fingerprint,
                                lambda cfg, r: "\n".join(realtext.summary_lines(cfg, r)), log_realtext,
                                lambda cfg, r: f"{len(realtext.trials(cfg))} trial(s) as children"),
-    "adaptation": RecordedRecipe(adaptation.AdaptationConfig, "configs/adaptation/dl19-multistage.yaml",
-                                 ["experiment=hllm-adaptation", "registered_model=null"], adaptation.run, to_dict,
-                                 adaptation.markdown, log_adaptation, lambda cfg, r: f"{len(cfg.students)} students as children"),
 }
 
 

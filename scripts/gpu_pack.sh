@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepares the one GPU experiment of issues #44/#48 (benchmarks/gpu/backbone_adaptation.py: hllm.recipes.adaptation with
-# configs/adaptation/gpu.yaml) to travel to a lent GPU machine, which has torch, transformers, peft and scipy but no
+# Prepares the one GPU experiment of issues #44/#48 (benchmarks/gpu/backbone_adaptation.py: hllm.recipes.realtext with
+# configs/realtext/gpu/*.yaml) to travel to a lent GPU machine, which has torch, transformers, peft and scipy but no
 # weights, no ../shared and no ir_measures, and takes at most 64 MiB a call: the cut SmolLM2 and Gemma 3 backbones in
 # int8 parts, DL19's five first stages with RankVicuna's runs and DL21, and the missing wheels, all in ignored folders
 # (gpu_pack/, .whl/). Then prints the device calls to make, in order.
@@ -29,6 +29,6 @@ done
 echo "  run(carry=[\"gpu_pack/data\", \"gpu_pack/pack.json\", \".whl\"], timeout_s=600, command="
 echo "      \"$install python3 benchmarks/gpu/pack.py unpack gpu_pack && PYTHONUNBUFFERED=1 python3 benchmarks/gpu/deepspeed_step.py --pack gpu_pack 2>&1 | tee \$OUT/deepspeed.txt; PYTHONUNBUFFERED=1 timeout 420 python3 benchmarks/gpu/backbone_adaptation.py --pack gpu_pack --out \$OUT 2>&1 | tee \$OUT/log.txt\")"
 echo "Make each call within 30 s of the one before (a warm machine keeps what was carried; a cold one starts bare). A run cut"
-echo "by its timeout keeps its finished folds in \$OUT/run/folds: carry that folder into the next call with --resume. Then"
+echo "by its timeout keeps its finished (trial, fold) files in \$OUT/<config>/folds: carry that \$OUT into the next call with --resume. Then"
 echo "copy \$OUT/backbone_adaptation.md and deepspeed.txt to reports/ (they name the GPU) and commit. Budget: ~2 min start,"
 echo "<1 min a part (SmolLM2 2, Gemma 3 5, two metas), ~1 min to unpack, ~1 min the DeepSpeed step, 7 min of folds."

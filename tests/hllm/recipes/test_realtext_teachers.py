@@ -14,7 +14,7 @@ from hllm.data.readers import read_qrels, read_slates
 from hllm.model.backbones import file_sha256
 from hllm.model.prompts import document_text
 from hllm.eval.metrics import share_kept
-from hllm.recipes.realtext import RealTextConfig, run
+from hllm.recipes.realtext import RealTextConfig, run, trials
 from hllm.train.probes import teacher_grades
 from hllm.reranker import Reranker
 
@@ -113,10 +113,13 @@ def test_teacher_folds_test_every_query_once_and_ship_the_distilled_student(dist
 
 def test_a_stopped_run_resumes_at_the_next_fold_with_the_same_figures(distilled):
     cfg, report, _ = distilled
-    saved = sorted((Path(cfg.output_dir) / "folds").glob("fold-*.npz"))
-    assert len(saved) == 2  # one per fold
-    saved[1].unlink()  # as if the run had stopped during the second fold
+    saved = sorted((Path(cfg.output_dir) / "folds").glob("fold*.npz"))
+    assert len(saved) == 2 * len(trials(cfg))  # one per trial and fold
+    stopped = [p for p in saved if p.name.startswith("fold1-")]
+    for p in stopped[len(stopped) // 2:]:
+        p.unlink()  # as if the run had stopped during the second fold
     again = run(cfg)
+    assert all(p.is_file() for p in stopped)
     assert again["teacher_folds"]["table"] == report["teacher_folds"]["table"]
     assert again["teacher_folds"]["chosen"] == report["teacher_folds"]["chosen"]
 
@@ -159,11 +162,13 @@ def test_mlflow_records_a_parent_and_a_child_per_trial_with_the_reports_figures(
 def test_every_shipped_config_with_teachers_loads_with_teachers_that_exist_in_its_data(path):
     cfg = load_config(RealTextConfig, path)
     assert cfg.teachers and cfg.variants and cfg.folds and cfg.ranker.adapt.mode == "frozen"
-    assert {v.target for v in cfg.variants} == {"teacher", "both", "judgments"}  # every method has a variant
+    if cfg.methods is None:
+        assert {v.target for v in cfg.variants} == {"teacher", "both", "judgments"}  # every method has a variant
     data = ROOT.parent / "shared" / "data"
     if data.is_dir():
         for t in cfg.teachers:
-            assert (ROOT / t.rankings).is_file(), t.rankings
+            for stage in cfg.first_stages or [""]:
+                assert (ROOT / t.rankings.format(stage=stage)).is_file(), t.rankings
 
 
 def test_real_data_report_takes_the_teacher_folds_rows_and_keeps_every_other_row(distilled, tmp_path):
