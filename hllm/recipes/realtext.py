@@ -177,7 +177,6 @@ class RealTextConfig:
                 raise ValueError(f"variants {taught} learn from the teachers' rankings of {self.teacher_collection}: a "
                                  f"training set of {train_on} has none (train on [teacher_collection], or drop them)")
 
-
     def _check_stages(self) -> None:
         stages = set(self.first_stages)
         if self.first_stages and not self.teacher_collection:
