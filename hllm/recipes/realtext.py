@@ -791,7 +791,9 @@ CSV_HEADER = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "
 
 def shown(cfg: RealTextConfig, trial: str) -> str:
     """A trial as a one-teacher report names it: its variant's name alone."""
-    return trial.removesuffix(f"@{cfg.teachers[0].name}") if len(cfg.teachers) == 1 else trial
+    blend = BLENDED if trial.endswith(BLENDED) else ""
+    base = trial.removesuffix(BLENDED)
+    return (base.removesuffix(f"@{cfg.teachers[0].name}") if len(cfg.teachers) == 1 else base) + blend
 
 
 def stage_rows(cfg: RealTextConfig, report: dict[str, Any], stage: str) -> list[tuple[str, dict[str, Any]]]:
@@ -800,8 +802,7 @@ def stage_rows(cfg: RealTextConfig, report: dict[str, Any], stage: str) -> list[
     table, teacher = report["by_stage"][stage]["table"], method_key("teacher", cfg.teachers[0].name)
     names = ["first_stage", teacher] + [f"trial:{trial_name(v, t)}{b}" for v, t in trials(cfg) for b in ("", BLENDED)]
     names += [k for k in report["by_stage"][stage]["share_kept"]]
-    return [("teacher" if n == teacher else shown(cfg, n.removeprefix("trial:").removesuffix(BLENDED)) + (BLENDED if n.endswith(BLENDED) else ""),
-             table[n]) for n in names if n in table]
+    return [("teacher" if n == teacher else shown(cfg, n.removeprefix("trial:")), table[n]) for n in names if n in table]
 
 
 def write_stage_rows(cfg: RealTextConfig, report: dict[str, Any], path: Path) -> None:
