@@ -12,7 +12,9 @@ computed here; Kendall tau comes from scipy.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ir_measures
 import numpy as np
@@ -27,28 +29,38 @@ def ir_measure_names(rel: int = 1, depths: Sequence[int] = (1, 5, 10)) -> dict[s
     return {**{f"nDCG@{k}": f"nDCG@{k}" for k in depths}, "MRR@10": f"RR(rel={rel})@10", "R@10": f"R(rel={rel})@10"}
 
 
-def _qrels_and_run(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]]):
+def _qrels_and_run(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]], ids: Sequence[str]):
+    """trec_eval's qrels and run, list k under the query id `ids[k]` (trec_eval keys by query id)."""
     if len(requests) != len(permutations):
         raise ValueError(f"{len(requests)} requests but {len(permutations)} permutations")
     qrels, run = [], []
-    for req, perm in zip(requests, permutations):
+    for req, perm, qid in zip(requests, permutations, ids):
         for docid, grade in req.qrels().items():
-            qrels.append(ir_measures.Qrel(req.slate_id, docid, int(grade)))
+            qrels.append(ir_measures.Qrel(qid, docid, int(grade)))
         n = len(perm)
         for rank, idx in enumerate(perm):
-            run.append(ir_measures.ScoredDoc(req.slate_id, req.candidates[int(idx)].docid, float(n - rank)))
+            run.append(ir_measures.ScoredDoc(qid, req.candidates[int(idx)].docid, float(n - rank)))
     return qrels, run
+
+
+def _list_ids(requests: Sequence[RerankRequest]) -> list[str]:
+    """An id per list for one evaluation: the query id, or, where some query has several lists (first stages,
+    collections), the list's position too, so that each list is scored apart with its own judgments."""
+    ids = [r.slate_id for r in requests]
+    return ids if len(set(ids)) == len(ids) else [f"{k}:{q}" for k, q in enumerate(ids)]
+
+
+def _parsed(measures: Mapping[str, str] | Sequence[str]) -> dict[str, Any]:
+    named = dict(measures) if isinstance(measures, Mapping) else {m: m for m in measures}
+    return {name: ir_measures.parse_measure(m) for name, m in named.items()}
 
 
 def ir_metrics(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],
                measures: Mapping[str, str] | Sequence[str] | None = None) -> dict[str, float]:
-    """Mean over judged queries, like trec_eval without -c. `measures` maps the names to report
-    to measure strings (default `ir_measure_names()`); a plain list reports under the strings."""
-    measures = measures or ir_measure_names()
-    named = dict(measures) if isinstance(measures, Mapping) else {m: m for m in measures}
-    qrels, run = _qrels_and_run(requests, permutations)
-    parsed = {name: ir_measures.parse_measure(m) for name, m in named.items()}
-    agg = ir_measures.calc_aggregate(list(parsed.values()), qrels, run)
+    """Mean over judged lists (queries, when each has one list), like trec_eval without -c. `measures` maps the names
+    to report to measure strings (default `ir_measure_names()`); a plain list reports under the strings."""
+    parsed = _parsed(measures or ir_measure_names())
+    agg = ir_measures.calc_aggregate(list(parsed.values()), *_qrels_and_run(requests, permutations, _list_ids(requests)))
     return {name: float(agg[p]) for name, p in parsed.items()}
 
 
@@ -57,18 +69,34 @@ def ir_metrics_per_query(requests: Sequence[RerankRequest], permutations: Sequen
     return ir_metrics_by_query(requests, permutations, [measure])[measure]
 
 
+def _by_id(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]], ids: Sequence[str],
+           measures: Mapping[str, str] | Sequence[str]) -> dict[str, dict[str, float]]:
+    parsed = _parsed(measures)
+    names = {p: name for name, p in parsed.items()}
+    out: dict[str, dict[str, float]] = {name: {} for name in parsed}
+    for m in ir_measures.iter_calc(list(parsed.values()), *_qrels_and_run(requests, permutations, ids)):
+        out[names[m.measure]][m.query_id] = float(m.value)
+    return out
+
+
 def ir_metrics_by_query(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]],
                         measures: Mapping[str, str] | Sequence[str]) -> dict[str, dict[str, float]]:
     """-> {name: {query id: value}} over the judged queries (those `ir_metrics` averages), one
-    trec_eval pass for every measure; the per-batch partial sums of a streamed evaluation add these."""
-    named = dict(measures) if isinstance(measures, Mapping) else {m: m for m in measures}
-    qrels, run = _qrels_and_run(requests, permutations)
-    parsed = {name: ir_measures.parse_measure(m) for name, m in named.items()}
-    names = {p: name for name, p in parsed.items()}
-    out: dict[str, dict[str, float]] = {name: {} for name in named}
-    for m in ir_measures.iter_calc(list(parsed.values()), qrels, run):
-        out[names[m.measure]][m.query_id] = float(m.value)
-    return out
+    trec_eval pass for every measure; the per-batch partial sums of a streamed evaluation add these.
+    Keyed by query id, so a query may have one list here (`ndcg10_per_list` takes several)."""
+    ids = [r.slate_id for r in requests]
+    if twice := sorted(q for q, n in Counter(ids).items() if n > 1):
+        raise ValueError(f"{len(twice)} query ids ranked more than once in one evaluation by query (e.g. {twice[:3]}): "
+                         "a query's lists of two first stages or collections would be merged into one run")
+    return _by_id(requests, permutations, ids, measures)
+
+
+def ndcg10_per_list(requests: Sequence[RerankRequest], permutations: Sequence[Sequence[int]]) -> np.ndarray:
+    """(lists,) nDCG@10 of each ranked list, in the lists' order; NaN where its query has no judgments. Lists that share
+    a query id (one query over several first stages or collections) are scored apart, each with its own judgments."""
+    ids = [str(k) for k in range(len(requests))]
+    got = _by_id(requests, permutations, ids, ["nDCG@10"])["nDCG@10"]
+    return np.array([got.get(k, np.nan) for k in ids], dtype=float)
 
 
 def kendall_tau(perm: Sequence[int], reference: Sequence[int]) -> float:

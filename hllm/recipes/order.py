@@ -39,7 +39,7 @@ import numpy as np
 from hllm.config import to_dict
 from hllm.data.order import CANONICAL, FIRST_STAGE, InputOrder, reorder
 from hllm.data.readers import collection_name, read_slates
-from hllm.eval.metrics import ir_measure_names, ir_metrics_by_query, mean_ci
+from hllm.eval.metrics import mean_ci, ndcg10_per_list
 from hllm.job.config import recipe_config, start_recipe
 from hllm.model.backbones import ModelConfig
 from hllm.model.calibration import fit_calibrator
@@ -205,12 +205,10 @@ class StudentViews:
         return self._views[path, order]
 
 
-def ndcg_by_query(items: list[StateSlate], orders: list[list[int]], rel: int) -> np.ndarray:
-    """(queries,) nDCG@10 of each judged query, in the items' query order."""
-    slates = [i.slate for i in items]
-    names = {k: v for k, v in ir_measure_names(rel).items() if k == "nDCG@10"}
-    by_qid = ir_metrics_by_query(slates, orders, names)["nDCG@10"]
-    return np.array([by_qid[s.slate_id] for s in slates if s.slate_id in by_qid])
+def ndcg_by_query(items: list[StateSlate], orders: list[list[int]]) -> np.ndarray:
+    """(judged queries,) nDCG@10 of each judged list, in the items' order."""
+    values = ndcg10_per_list([i.slate for i in items], orders)
+    return values[~np.isnan(values)]
 
 
 @dataclass(frozen=True)
@@ -241,7 +239,7 @@ class AugmentedFitter:
 
     def score(self, path: str, index: list[int], order: InputOrder, declared: bool) -> np.ndarray:
         items = [self.views.items(path, order)[i] for i in index]
-        return ndcg_by_query(items, self.ranked(items, declared)[1], self.cfg.rel)
+        return ndcg_by_query(items, self.ranked(items, declared)[1])
 
     def choose(self, path: str, index: list[int], augmentation: str, rule: str) -> Choice:
         """(L2 weight, prior scale) by CV over the queries `index` of `path`. rule `text`: the L2 weight that ranks best
@@ -256,8 +254,7 @@ class AugmentedFitter:
             for train, held in query_folds(len(index), ids, self.cfg.cv_folds):
                 tr, he = [index[i] for i in train], [index[i] for i in held]
                 first.append(float(ndcg_by_query([self.views.items(path, FIRST_STAGE)[i] for i in he],
-                                                 [list(range(len(self.views.items(path, FIRST_STAGE)[i].slate.candidates))) for i in he],
-                                                 self.cfg.rel).mean()))
+                                                 [list(range(len(self.views.items(path, FIRST_STAGE)[i].slate.candidates))) for i in he]).mean()))
                 for lam, (w, b) in zip(lams, ridge_utilities(self.training(path, tr, augmentation), lams)):
                     set_utility(self.student, w, b, 1.0)
                     undeclared[lam].append(float(np.mean([self.score(path, he, o, False).mean() for o in self.shuffles])))
@@ -317,14 +314,14 @@ def robustness(fitter: AugmentedFitter, path: str, index: list[int], orders: lis
         return {"nDCG@10": float(values.mean()), "ci95": [lo, hi], "queries": len(values)}
 
     def itself(items: list[StateSlate]) -> np.ndarray:
-        return ndcg_by_query(items, [list(range(len(i.slate.candidates))) for i in items], cfg.rel)
+        return ndcg_by_query(items, [list(range(len(i.slate.candidates))) for i in items])
 
     scored: dict[tuple[InputOrder, str], np.ndarray] = {}  # (order, how) -> (queries,) nDCG@10, each computed once
 
     def served(order: InputOrder) -> np.ndarray:
         if (order, "as served") not in scored:
             items = [fitter.views.items(path, order)[i] for i in index]
-            scored[order, "as served"] = ndcg_by_query(items, served_orders(fitter, path, index, order), cfg.rel)
+            scored[order, "as served"] = ndcg_by_query(items, served_orders(fitter, path, index, order))
         return scored[order, "as served"]
 
     def arrived(order: InputOrder) -> np.ndarray:
@@ -397,10 +394,10 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
             if guard:
                 fit_guard(student, fitter.training(cfg.train_on, train, aug), max(cfg.cv_folds, 2))
             first = [views.items(cfg.train_on, FIRST_STAGE)[i] for i in held]
-            oof["first stage"].append(ndcg_by_query(first, [list(range(len(i.slate.candidates))) for i in first], cfg.rel))
+            oof["first stage"].append(ndcg_by_query(first, [list(range(len(i.slate.candidates))) for i in first]))
             oof["declared"].append(fitter.score(cfg.train_on, held, FIRST_STAGE, True))
             served = [views.items(cfg.train_on, CANONICAL)[i] for i in held]  # any arrival order reads as this
-            oof["as served"].append(ndcg_by_query(served, fitter.ranked(served, False)[1], cfg.rel))
+            oof["as served"].append(ndcg_by_query(served, fitter.ranked(served, False)[1]))
             oof["read as it arrived"].append(np.mean([fitter.score(cfg.train_on, held, o, False) for o in fitter.shuffles], axis=0))
             for order, declared in [(FIRST_STAGE, True)] + [(o, False) for o in fitter.shuffles]:
                 items = [views.items(cfg.train_on, order)[i] for i in held]
@@ -441,7 +438,7 @@ def student_report(cfg: OrderConfig, spec: StudentSpec, data: OrderedStates) -> 
     bound = {}
     for lam in spec.ridge_lambdas:
         fitter.fit(judged, Choice(**{**v["choice"], "ridge_lambda": lam}))
-        bound[lam] = float(ndcg_by_query(canonical, fitter.ranked(canonical, False)[1], cfg.rel).mean())
+        bound[lam] = float(ndcg_by_query(canonical, fitter.ranked(canonical, False)[1]).mean())
     best = max(bound, key=bound.get)
     out["in_sample_bound"] = {"what": f"fitted on every {collection_name(cfg.test_on)} query in the orders of {v['augmentation']!r} "
                                       "to its judgments, scored on the same queries as served (undeclared), the best L2 of the grid "

@@ -48,7 +48,7 @@ from hllm.data.readers import collection_name
 from hllm.data.splits import split_by_hash
 from hllm.eval.blend import BLENDED, Blend, blended
 from hllm.eval.evaluation import first_stage_order
-from hllm.eval.metrics import kendall_tau, share_kept, top10_by_query
+from hllm.eval.metrics import kendall_tau, ndcg10_per_list, share_kept, top10_by_query
 from hllm.eval.runfile import relevance_threshold
 from hllm.job.config import recipe_config, start_recipe
 from hllm.model.backbones import ModelConfig, file_sha256
@@ -439,15 +439,9 @@ def teacher_folds(cfg: RealTextConfig, fitter: VariantFitter, queries: list[Cach
     return out
 
 
-def list_ndcg(cfg: RealTextConfig, queries: list[CachedQuery], index: list[int], orders: list[list[int]]) -> np.ndarray:
-    """Per list of `index` its nDCG@10 under `orders`, each stage's lists scored apart (a query's lists of two stages
-    are two rankings of two candidate sets: one evaluation would merge them)."""
-    out = np.zeros(len(index))
-    for stage in dict.fromkeys(queries[i].stage for i in index):
-        rows = [r for r, i in enumerate(index) if queries[i].stage == stage]
-        got = top10_by_query([queries[index[r]].slate for r in rows], [orders[r] for r in rows], cfg.rel)["nDCG@10"]
-        out[rows] = [got[queries[index[r]].slate.slate_id] for r in rows]
-    return out
+def list_ndcg(queries: list[CachedQuery], index: list[int], orders: list[list[int]]) -> np.ndarray:
+    """Per list of `index` its nDCG@10 under `orders` (a query's lists of two stages scored apart: `ndcg10_per_list`)."""
+    return ndcg10_per_list([queries[i].slate for i in index], orders)
 
 
 def blend_folds(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherFolds) -> None:
@@ -455,7 +449,7 @@ def blend_folds(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherF
     of a stage chosen on the other folds' lists of that stage (their judgments; the fold's own are never read)."""
     for name, mats in folds.trial_matrices.items():
         have = [i for i, m in enumerate(mats) if m is not None]
-        blend = Blend([mats[i] for i in have], cfg.first_stage_weights, lambda idx, o: list_ndcg(cfg, queries, [have[r] for r in idx], o))
+        blend = Blend([mats[i] for i in have], cfg.first_stage_weights, lambda idx, o: list_ndcg(queries, [have[r] for r in idx], o))
         row_of = {i: r for r, i in enumerate(have)}
         folds.blends[name], folds.blend_lists[name] = blend, have
         folds.blended[name] = [None] * len(queries)

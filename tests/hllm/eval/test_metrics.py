@@ -1,9 +1,11 @@
 import math
 
+import numpy as np
 import pytest
 
 from hllm.data.readers import read_beir
-from hllm.eval.metrics import agreement, input_order_agreement, ir_metrics, kendall_tau, validity_rate
+from hllm.eval.metrics import (agreement, input_order_agreement, ir_metrics, ir_metrics_by_query, kendall_tau, ndcg10_per_list,
+                               validity_rate)
 from hllm.records import Candidate, Query, RerankRequest
 
 
@@ -28,6 +30,25 @@ def test_judged_documents_outside_the_slate_count_in_the_ideal():
     req = slate([0, 2], extra={"unretrieved": 3})
     expected = dcg([2, 0]) / dcg([3, 2])
     assert ir_metrics([req], [[1, 0]], ["nDCG@10"])["nDCG@10"] == pytest.approx(expected)
+
+
+def test_a_query_with_two_lists_is_scored_list_by_list_and_refused_by_query():
+    """trec_eval keys by query id: two lists of q1 (two first stages) in one run would be scored as one merged list."""
+    first, second = slate([0, 3]), slate([2, 0])
+    mean = ir_metrics([first, second], [[0, 1], [0, 1]], ["nDCG@10"])["nDCG@10"]
+    assert mean == pytest.approx((dcg([0, 3]) / dcg([3, 0]) + 1.0) / 2)
+    with pytest.raises(ValueError, match="ranked more than once"):
+        ir_metrics_by_query([first, second], [[0, 1], [0, 1]], ["nDCG@10"])
+
+
+def test_ndcg10_per_list_scores_each_list_of_a_query_with_its_own_judgments():
+    first, second = slate([0, 3, 1]), slate([2, 0])  # one query id, two candidate sets (two first stages)
+    other = RerankRequest(Query("q2", "query"), [Candidate("d0", "x")])  # no judgments: nDCG undefined
+    got = ndcg10_per_list([first, second, other, slate([1])], [[0, 1, 2], [1, 0], [0], [0]])
+    assert got[0] == pytest.approx(dcg([0, 3, 1]) / dcg([3, 1, 0]))
+    assert got[1] == pytest.approx(dcg([0, 2]) / dcg([2, 0]))
+    assert math.isnan(got[2]) and got[3] == pytest.approx(1.0)
+    assert np.array_equal(ndcg10_per_list([first], [[1, 2, 0]]), [1.0])
 
 
 def test_mrr_and_recall_with_threshold():
