@@ -59,7 +59,7 @@ from hllm.model.item_states import POOLINGS
 from hllm.model.prompts import PromptConfig
 from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.records import RerankRequest
-from hllm.train.head_fit import decode_orders, query_folds
+from hllm.train.head_fit import HeadFit, decode_orders, query_folds
 from hllm.train.loop import TrainConfig
 from hllm.train.prefix_lora import SubSlateConfig
 from hllm.train.probes import (FOLD_SALT, CachedQuery, PrefixLayout, TeacherRun, Variant, VariantFitter, load_queries,
@@ -263,23 +263,19 @@ def shipped_key(cfg: RealTextConfig) -> str:
     return method_key(cfg.ship_method, cfg.teachers[0].name if cfg.teachers else None)
 
 
-def choose(records: dict[str, dict], cfg: RealTextConfig, method: str, teacher: str | None) -> str | None:
-    """The trial a method keeps: the best cross-validated score among its target's (ties: the earlier one)."""
+def choose(scores: dict[str, float | None], cfg: RealTextConfig, method: str, teacher: str | None) -> str | None:
+    """The trial a method keeps: the best cross-validated score (`scores`: trial -> its CV score) among its target's
+    (ties: the earlier one)."""
     target = METHODS[method]
     names = [trial_name(v, None if target == "judgments" else teacher) for v in cfg.variants if v.target == target]
-    names = [n for n in names if "cv_score" in records.get(n, {})]  # a LoRA trial has no CV score: not a method's choice
-    return max(names, key=lambda n: (round(records[n]["cv_score"], 6), -names.index(n))) if names else None
+    names = [n for n in names if scores.get(n) is not None]  # a LoRA trial has no CV score: not a method's choice
+    return max(names, key=lambda n: (round(scores[n], 6), -names.index(n))) if names else None
 
 
-def picks(cfg: RealTextConfig, records: dict[str, dict]) -> dict[str, str]:
-    """method key -> the trial it keeps, for every method with a trial among `records`."""
-    chosen = {method_key(m, t): choose(records, cfg, m, t) for m, t in methods(cfg)}
+def picks(cfg: RealTextConfig, scores: dict[str, float | None]) -> dict[str, str]:
+    """method key -> the trial it keeps, for every method with a cross-validated trial among `scores` (trial -> CV score)."""
+    chosen = {method_key(m, t): choose(scores, cfg, m, t) for m, t in methods(cfg)}
     return {k: p for k, p in chosen.items() if p}
-
-
-def cv_summary(records: dict[str, dict]) -> dict[str, dict[str, float]]:
-    return {n: {k: r[k] for k in ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step", "head_init") if k in r}
-            for n, r in records.items()}
 
 
 def averaged(by_query: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -391,8 +387,8 @@ def fold_trial(cfg: RealTextConfig, fitter: VariantFitter, v: Variant, teacher: 
     record = fitter.fit(v, teacher, train, cfg.seed + f)
     seen = [q for q in train if q.stage == cfg.stage()][: cfg.in_sample]
     got = fitter.matrices(v, test + seen)
-    history = record.get("history", [])
-    meta = {"record": cv_summary({name: record})[name] | ({"guard": record["guard"]} if "guard" in record else {}),
+    history = record.history or []
+    meta = {"record": record.summary(guard=True),
             "seconds": time.perf_counter() - t0, "train_lists": len(train), "test_lists": len(test),
             "losses": [row["loss"] for row in history], "last": history[-1] if history else {},
             "in_sample": in_sample_figures(cfg, seen, got[len(test):], teacher)}
@@ -400,9 +396,9 @@ def fold_trial(cfg: RealTextConfig, fitter: VariantFitter, v: Variant, teacher: 
     with tmp.open("wb") as fh:
         np.savez(fh, meta=json.dumps(meta), **{q.key: m for q, m in zip(test, got)})
     tmp.replace(saved)  # a trial's fold is whole or absent
-    if "cv_score" in record:
-        log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, name, record["cv_score"],
-                 record["cv_first_stage"], meta["seconds"])
+    if record.cross_validated:
+        log.info("fold %d/%d %s: CV nDCG@10 %.4f (first stage %.4f) %.0fs", f + 1, cfg.folds, name, record.cv_score,
+                 record.cv_first_stage, meta["seconds"])
     else:
         log.info("fold %d/%d %s: %d training lists, %d test lists, %.0f s", f + 1, cfg.folds, name, len(train), len(test), meta["seconds"])
     return meta, got[: len(test)]
@@ -428,8 +424,8 @@ def teacher_folds(cfg: RealTextConfig, fitter: VariantFitter, queries: list[Cach
                 matrices[name][i], orders[name][i] = m, decode_orders([m])[0]
             records[name] = meta["record"]
             fits[name].append({k: meta[k] for k in ("seconds", "losses", "last", "in_sample")})
-        chosen.append(picks(cfg, records))
-        cv.append(cv_summary(records))
+        chosen.append(picks(cfg, {n: r.get("cv_score") for n, r in records.items()}))
+        cv.append({n: {k: x for k, x in r.items() if k != "guard"} for n, r in records.items()})
         log.info("fold %d/%d%s", f + 1, cfg.folds, f" chose {chosen[-1]}" if chosen[-1] else " done")
     keys = [k for k in chosen[0] if all(k in c for c in chosen)]
     out = TeacherFolds(orders, matrices, chosen, cv, {k: [orders[chosen[fold_of[i]][k]][i] for i in range(len(queries))] for k in keys},
@@ -526,7 +522,7 @@ class FittedTrial:
     """A trial fitted on every query of a training set: its CV record and its head."""
 
     variant: Variant
-    record: dict[str, Any]  # cv_score, settings chosen, cv_grid or cv_curve, guard thresholds
+    record: HeadFit  # the settings chosen and their CV scores, the guard's thresholds
     weights: dict[str, torch.Tensor]  # its head's (the ranker config: VariantFitter.head_config(variant))
     lora: SinglePassRanker | None = None  # a LoRA variant's whole student (its adapters are not the fitter's head)
 
@@ -554,7 +550,7 @@ class Fits:
             done[name] = FittedTrial(v, record, {k: x.detach().clone() for k, x in self.fitter.ranker.head.state_dict().items()},
                                      self.fitter.lora if v.fit == "lora" else None)
             log.info("all %d lists of %s, %s: %s (%.0fs)", len(mine), " + ".join(map(collection_name, train_on)), name,
-                     f"CV nDCG@10 {record['cv_score']:.4f} (first stage {record['cv_first_stage']:.4f})" if "cv_score" in record
+                     f"CV nDCG@10 {record.cv_score:.4f} (first stage {record.cv_first_stage:.4f})" if record.cross_validated
                      else "trained", time.perf_counter() - t0)
         return {n: f for n, f in done.items() if variants is None or f.variant.name in variants}
 
@@ -631,8 +627,7 @@ def cross_year(cfg: RealTextConfig, data: Collections, fits: Fits, fold: CrossYe
     the teacher-folds with a first-stage blend also blended, its weight the best over its out-of-fold lists."""
     queries = data.training(fold.train_on)
     fitted = fits.on(fold.train_on, queries, fold.variants)
-    records = {n: f.record for n, f in fitted.items()}
-    chosen = picks(cfg, records)
+    chosen = picks(cfg, {n: f.record.cv_score for n, f in fitted.items()})
     weights = ({n: stage_weight(cfg, data.all(cfg.teacher_collection), folds, n) for n in fitted if n in folds.blends}
                if folds and folds.blends else None)
     tests = {collection_name(p): measure(fits, fitted, chosen, data.all(p), cfg.rel, weights) for p in fold.test_on}
@@ -640,7 +635,7 @@ def cross_year(cfg: RealTextConfig, data: Collections, fits: Fits, fold: CrossYe
         log.info("%s -> %s (%d queries): first stage %.4f%s", " + ".join(map(collection_name, fold.train_on)), name,
                  test.queries, test.methods["first_stage"]["nDCG@10"],
                  "".join(f", {k} {m['nDCG@10']:.4f}" for k, m in test.methods.items() if k != "first_stage"))
-    cv = {n: cv_summary(records)[n] | ({"guard": r["guard"]} if "guard" in r else {}) for n, r in records.items()}
+    cv = {n: f.record.summary(guard=True) for n, f in fitted.items()}
     return CrossYearFit(list(map(collection_name, fold.train_on)), len(queries), chosen, cv, tests)
 
 
@@ -685,7 +680,7 @@ def ship(cfg: RealTextConfig, data: Collections, fits: Fits, summary: dict[str, 
     calibration (`calibrate`) and a model card; checked on `transfer`. -> (what shipped, transfer rows, calibration)."""
     fitted = fits.on(cfg.ship_on, data.training(cfg.ship_on))
     key = shipped_key(cfg)
-    trial = picks(cfg, {n: f.record for n, f in fitted.items()})[key]
+    trial = picks(cfg, {n: f.record.cv_score for n, f in fitted.items()})[key]
     chosen = fitted[trial]
     ranker = fits.load(chosen)
     names = list(map(collection_name, cfg.ship_on))
@@ -702,19 +697,19 @@ def ship(cfg: RealTextConfig, data: Collections, fits: Fits, summary: dict[str, 
     transfer = [transfer_check(cfg, fits, chosen, p, data) for p in cfg.transfer]
     fits.load(chosen)
     rcfg, record = ranker.cfg, chosen.record
-    fit = ({"method": "ridge probe (closed form)", "l2": record["ridge_lambda"], "prior_scale": record["prior_scale"]}
-           if chosen.variant.fit == "ridge" else {"method": "sgd", "steps": record["best_step"]})
+    fit = ({"method": "ridge probe (closed form)", "l2": record.ridge_lambda, "prior_scale": record.prior_scale}
+           if chosen.variant.fit == "ridge" else {"method": "sgd", "steps": record.best_step})
     cross_figures = {c: t.methods.get(key) for x in cross if x.trained_on == names for c, t in x.tests.items()}
     figures = {
-        "variant": trial, "fit": fit | cv_summary({trial: record})[trial],
+        "variant": trial, "fit": fit | record.summary(),
         "chosen_by": f"{cfg.cv_folds}-fold CV over the training queries (nDCG@10 on their qrels)",
         **({"teacher_folds": {k: summary["table"][k]["nDCG@10"] for k in ("first_stage", method_key("teacher", cfg.teachers[0].name), key)
                               if k in summary["table"]}} if summary else {}),
         **({"cross_year": cross_figures} if cross_figures else {}),
         **({"transfer": {t["collection"]: transfer_figures(t) for t in transfer}} if transfer else {}),
-        **({"guard": {"what": GUARD_WHAT, **record["guard"],
+        **({"guard": {"what": GUARD_WHAT, **record.guard,
                       "transfer_fallback_share": {t["collection"]: t["trust"]["fallback_share"] for t in transfer}}}
-           if "guard" in record else {}),
+           if record.guard is not None else {}),
         **({"relevance_score": {"what": f"calibrated P(grade >= {cfg.rel}), fitted on this variant's out-of-fold matrices of "
                                         "the teacher-folds", "fitted_on": calibrator.fitted_on,
                                 "ece_held_out_queries": calibrated["oof"]["ece"],
@@ -729,12 +724,12 @@ def ship(cfg: RealTextConfig, data: Collections, fits: Fits, summary: dict[str, 
         head=f"{rcfg.head.kind} with the first-stage prior ({rcfg.head.prior})",
         input="candidates in first-stage order, best first: the prior reads their ranks", figures=figures)
     ship_student(cfg.ship_to, ranker, card, thresholds, "hllm realtext (hllm.recipes.realtext) --config <the recipe below>", to_dict(cfg), calibrator,
-                 fit={k: v for k, v in record.items() if k not in ("cv_grid", "cv_curve")},
+                 fit=record.to_json(without=("cv_grid", "cv_curve")),
                  **({"teacher_folds": figures["teacher_folds"]} if "teacher_folds" in figures else {}),
                  **({"cross_year": cross_figures} if cross_figures else {}),
                  transfer=[{"collection": t["collection"], **transfer_figures(t)} for t in transfer],
                  **({"teacher_rankings_sha256": {t.name: file_sha256(Path(t.rankings)) for t in cfg.teachers}} if cfg.teachers else {}))
-    shipped = {"method": key, "trial": trial, "trained_on": names, "queries": len(queries), **{k: v for k, v in record.items() if k != "cv_grid"}}
+    shipped = {"method": key, "trial": trial, "trained_on": names, "queries": len(queries), **record.to_json(without=("cv_grid",))}
     return shipped, transfer, calibrated
 
 

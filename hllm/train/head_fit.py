@@ -18,7 +18,8 @@ import copy
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -226,13 +227,45 @@ def _pick(items: Sequence[StateSlate], index: Sequence[int]) -> list[StateSlate]
     return [items[i] for i in index]
 
 
+@dataclass
+class HeadFit:
+    """What fitting a head chose and measured. Ridge: the (L2 weight, prior scale) chosen by CV over the training
+    queries; SGD: the step; each with its held-out nDCG@10 and the first stage's on the same folds. LoRA: its loss
+    rows, and the ridge probe its head started from. `guard`: the domain guard's thresholds where the head has one."""
+
+    ridge_lambda: float | None = None
+    prior_scale: float | None = None
+    best_step: int | None = None
+    cv_score: float | None = None  # mean held-out nDCG@10 of the choice (None: not cross-validated, a LoRA fit)
+    cv_first_stage: float | None = None  # the first stage's on the same held-out folds
+    cv_grid: dict[str, float] | None = None  # "L2/scale" -> mean held-out nDCG@10
+    cv_curve: dict[int, float] | None = None  # step -> mean held-out nDCG@10
+    guard: dict[str, float] | None = None  # fit_guard's thresholds
+    head_init: HeadFit | None = None  # a LoRA student's starting probe (its grid left out)
+    history: list[dict[str, Any]] | None = None  # a LoRA student's loss rows
+
+    @property
+    def cross_validated(self) -> bool:
+        return self.cv_score is not None
+
+    def to_json(self, without: Sequence[str] = ()) -> dict[str, Any]:
+        """The fields that are set (and not in `without`), as JSON values."""
+        return {f.name: (v.to_json() if isinstance(v, HeadFit) else v) for f in fields(self)
+                if (v := getattr(self, f.name)) is not None and f.name not in without}
+
+    def summary(self, guard: bool = False) -> dict[str, Any]:
+        """The choice and its CV scores (no grid, curve or loss rows); with `guard`, the guard's thresholds too."""
+        keys = ("cv_score", "cv_first_stage", "ridge_lambda", "prior_scale", "best_step", "head_init") + (("guard",) if guard else ())
+        got = self.to_json()
+        return {k: got[k] for k in keys if k in got}
+
+
 def cv_ridge(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Sequence[StateSlate], k: int,
-             lambdas: Sequence[float], scales: Sequence[float], rel: int, unjudged: int = 0) -> dict:
+             lambdas: Sequence[float], scales: Sequence[float], rel: int, unjudged: int = 0) -> HeadFit:
     """The closed-form probe under the logrank prior: (L2 weight, prior scale) by k-fold CV over the
     queries of `items` (fitted on their targets), each held-out fold scored by nDCG@10 on `judge`
     (the same queries, in the same order, graded as the choice should be judged: the qrels, or the
-    teacher's order); then fitted on every query and loaded into `ranker.head`.
-    -> {"ridge_lambda", "prior_scale", "cv_score", "cv_first_stage", "cv_grid"}."""
+    teacher's order); then fitted on every query and loaded into `ranker.head`."""
     grid: dict[tuple[float, float], list[float]] = {}
     folds = query_folds(len(items), [i.slate.slate_id for i in items], k)
     for train, held in folds:
@@ -244,18 +277,17 @@ def cv_ridge(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Seque
     lam, scale = max(mean, key=lambda key: (round(mean[key], 6), key[0], key[1]))  # ties: more shrinkage, more prior
     set_utility(ranker, *ridge_utility(items, lam, unjudged), scale)
     first = float(np.mean([first_stage_ndcg(_pick(judge, held), rel) for _, held in folds]))
-    return {"ridge_lambda": lam, "prior_scale": scale, "cv_score": mean[lam, scale], "cv_first_stage": first,
-            "cv_grid": {f"{key[0]:g}/{key[1]:g}": v for key, v in mean.items()}}
+    return HeadFit(ridge_lambda=lam, prior_scale=scale, cv_score=mean[lam, scale], cv_first_stage=first,
+                   cv_grid={f"{key[0]:g}/{key[1]:g}": v for key, v in mean.items()})
 
 
 def cv_sgd(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Sequence[StateSlate], k: int, cfg: TrainConfig,
            loss: LossConfig, rel: int, new_head: Callable[[], None], unjudged: int | None = 0,
-           sample_items: int | None = None) -> dict:
+           sample_items: int | None = None) -> HeadFit:
     """The head by SGD, its step count chosen by k-fold CV over the queries of `items` (trained on their
     targets; held-out folds scored every `cfg.log_every` steps by nDCG@10 on `judge`, aligned with
     `items`): the step with the best mean held-out score, then one head trained on every query up to
-    that step of the same schedule. `new_head()` puts a fresh head in `ranker`.
-    -> {"best_step", "cv_score", "cv_first_stage", "cv_curve"}."""
+    that step of the same schedule. `new_head()` puts a fresh head in `ranker`."""
     curves = []  # per fold: {step: held-out nDCG@10}
     for train, held in query_folds(len(items), [i.slate.slate_id for i in items], k):
         new_head()
@@ -267,7 +299,7 @@ def cv_sgd(ranker: SinglePassRanker, items: Sequence[StateSlate], judge: Sequenc
     best = max(steps, key=lambda s: (round(mean[s], 6), -s))  # a tie goes to the earlier step
     new_head()
     fit_head(ranker, list(items), [], cfg, loss, rel, unjudged=unjudged, sample_items=sample_items, stop_at=best)
-    return {"best_step": best, "cv_score": mean[best], "cv_first_stage": mean[0], "cv_curve": mean}
+    return HeadFit(best_step=best, cv_score=mean[best], cv_first_stage=mean[0], cv_curve=mean)
 
 
 # ---- the domain guard: how far a slate's states lie from the training data -------------------------

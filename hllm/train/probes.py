@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from hllm.model.ranker import AdaptConfig, RankerConfig, SinglePassRanker
 from hllm.records import RerankRequest
 from hllm.uris import resolve_model_uri
 from hllm.teacher.external import external_rankings
-from hllm.train.head_fit import (StateSlate, cv_ridge, cv_sgd, fit_guard, guard_trust, guarded_matrices, ridge_utility,
+from hllm.train.head_fit import (HeadFit, StateSlate, cv_ridge, cv_sgd, fit_guard, guard_trust, guarded_matrices, ridge_utility,
                                  score_state_slates, set_utility, state_confidence)
 from hllm.train.loop import LossConfig, TrainConfig
 from hllm.train.prefix_lora import PrefixRef, SubSlateConfig, SubSlates, lora_matrices, sub_slates, train_lora
@@ -266,11 +266,10 @@ class VariantFitter:
         self.ranker.cfg = self.head_config(v)
         self.ranker.head = self.ranker.new_head().to(self.ranker.device)
 
-    def fit(self, v: Variant, teacher: str | None, queries: list[CachedQuery], seed: int | None = None) -> dict[str, Any]:
+    def fit(self, v: Variant, teacher: str | None, queries: list[CachedQuery], seed: int | None = None) -> HeadFit:
         """Fits `ranker.head` on `queries`, its settings chosen by CV over them, then its domain guard (where the head
-        has one) on the same queries' states (`fit_guard`: thresholds from their own held-out distances). -> the CV
-        record (with `guard`: the guard's thresholds). A LoRA variant: `fit_lora` (`seed`: its adapters' and data
-        order's; None: the config's)."""
+        has one) on the same queries' states (`fit_guard`: thresholds from their own held-out distances). A LoRA
+        variant: `fit_lora` (`seed`: its adapters' and data order's; None: the config's)."""
         if v.fit == "lora":
             return self.fit_lora(v, teacher, queries, self.cfg.seed if seed is None else seed)
         items, judge = self.views(v, teacher, queries)
@@ -283,27 +282,27 @@ class VariantFitter:
             record = cv_sgd(self.ranker, items, judge, self.cfg.cv_folds, train, loss, self.cfg.rel, lambda: self.new_head(v),
                             0, v.sample_items)
         if getattr(self.ranker.head, "guard", None) is not None:
-            record["guard"] = fit_guard(self.ranker, judge, max(self.cfg.cv_folds, 2))
+            record.guard = fit_guard(self.ranker, judge, max(self.cfg.cv_folds, 2))
         return record
 
-    def fit_lora(self, v: Variant, teacher: str | None, queries: list[CachedQuery], seed: int) -> dict[str, Any]:
+    def fit_lora(self, v: Variant, teacher: str | None, queries: list[CachedQuery], seed: int) -> HeadFit:
         """A LoRA student (`self.lora`) trained on the sub-slates of `queries` over their cached prefix states, the
         teacher's relative order its target; with head_init=ridge its head starts at the ridge probe fitted on the same
-        lists (CV as a ridge variant's). -> {"history": its loss rows, "head_init": the probe's CV record}."""
+        lists (CV as a ridge variant's). -> its loss rows and the probe it started from."""
         torch.manual_seed(seed)
         self.lora = None
         ranker = SinglePassRanker.build(self.lora_config(v)).to(self.ranker.device)
-        record: dict[str, Any] = {}
+        record = HeadFit()
         if v.head_init == "ridge":
             items, judge = self.views(v, teacher, queries)
             with torch.no_grad():
                 probe = cv_ridge(ranker, items, judge, self.cfg.cv_folds, self.cfg.ridge_lambdas, self.cfg.prior_scales, self.cfg.rel)
-            record["head_init"] = {k: x for k, x in probe.items() if k != "cv_grid"}
+            record.head_init = dataclasses.replace(probe, cv_grid=None)
         missing = [q.key for q in queries if q.prefix is None or q.prefix.subs is None]
         if missing:
             raise ValueError(f"variant {v.name}: {len(missing)} training lists have no cached sub-slates (e.g. {missing[:3]})")
         train = dataclasses.replace(v.train or self.cfg.train, seed=seed)
-        record["history"] = train_lora(ranker, queries[0].prefix.subs, [j for q in queries for j in q.prefix.sub_index], train,
+        record.history = train_lora(ranker, queries[0].prefix.subs, [j for q in queries for j in q.prefix.sub_index], train,
                                        LossConfig(v.loss or TARGET_LOSS[v.target]), v.name)
         self.lora = ranker
         return record

@@ -102,9 +102,11 @@ def test_cross_validation_chooses_the_step_and_trains_on_every_query(tmp_path):
     queries = data.all(str(tmp_path / "a")) + data.all(str(tmp_path / "b"))
     fitter = VariantFitter(cfg, ranker, queries[0].states[1].shape[1] // 2)  # last+mean: two halves
     record = fitter.fit(cfg.variants[0], None, queries)
-    curve = record["cv_curve"]
-    assert sorted(curve) == [0, 4, 8, 12] and record["best_step"] in curve
-    assert record["cv_score"] == max(curve.values()) and record["cv_first_stage"] == curve[0]
+    curve = record.cv_curve
+    assert sorted(curve) == [0, 4, 8, 12] and record.best_step in curve
+    assert record.cv_score == max(curve.values()) and record.cv_first_stage == curve[0]
+    assert record.summary() == {"cv_score": record.cv_score, "cv_first_stage": curve[0], "best_step": record.best_step}
+    assert record.ridge_lambda is None and "cv_curve" in record.to_json() and "cv_curve" not in record.to_json(without=["cv_curve"])
     with pytest.raises(ValueError, match="at least 2 of its"):
         fitter.fit(cfg.variants[0], None, queries[:1])
 
