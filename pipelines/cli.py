@@ -504,7 +504,7 @@ def quiet_libraries() -> None:
     loads = logging.getLogger("hllm.model.backbones")  # one line per model loaded (what, how long) instead of bars
     if not loads.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))  # as console_logging's lines
         loads.addHandler(handler)
         loads.setLevel(logging.INFO)
         loads.propagate = False
