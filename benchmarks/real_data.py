@@ -32,7 +32,6 @@ its Markdown twin (`.md` beside it). Rows say how many queries they average; the
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import logging
@@ -42,17 +41,15 @@ from hllm.config import from_dict
 from hllm.data.readers import read_slates
 from hllm.data.splits import load_splits, unit_hash
 from hllm.eval.evaluation import evaluate_student, evaluate_teacher, first_stage_order, quality
-from hllm.model.backbones import resolve_device
+from hllm.eval.results_table import FIELDS, merge_rows, write_rows
 from hllm.job.stages import load_teacher, teacher_model
+from hllm.model.backbones import resolve_device
 from hllm.records import RerankRequest
 from hllm.recipes.realtext import RealTextConfig, shipped_key
 from hllm.reranker import Reranker
 from hllm.teacher.baselines import first_style_orders
 from pipelines.common import PipelineConfig
 
-FIELDS = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "teacher", "tau_to_teacher", "share_kept",
-          "share_kept_ci95",  # these four: teacher-folds and distilled cross-year rows only
-          "input_order", "order_declared", "nDCG@10_ci95"]  # the order the candidates came in (hllm.data.order), declared to the prior or not
 TEACHER_FIELDS = FIELDS[:10]
 ORDER_FIELDS = ["collection", "queries", "split", "method", "input_order", "order_declared", "nDCG@10", "nDCG@10_ci95"]
 DISTILLED = "## Real teachers"  # the Markdown section of the --teacher-folds rows
@@ -64,11 +61,6 @@ log = logging.getLogger("hllm")
 def rows_for(collection: str, split: str, slates: list[RerankRequest], metrics: dict[str, dict[str, float]]) -> list[dict]:
     return [{"collection": collection, "queries": len(slates), "split": split, "method": method,
              "nDCG@10": round(m["nDCG@10"], 4), "MRR@10": round(m["MRR@10"], 4)} for method, m in metrics.items()]
-
-
-def input_order_of(row: dict) -> str:
-    """A row's input order: rows from before the column (and the recipes' rows) were measured in the first stage's order."""
-    return row.get("input_order") or "first-stage"
 
 
 def cross_year_rows(run: Path, transfer_only: bool = False) -> tuple[list[dict], list[str]]:
@@ -174,11 +166,7 @@ def chosen(t: dict) -> str:
 
 
 def write(rows: list[dict], out: Path, text: str, title: str | None = "# Real text: first stage, teacher, student") -> None:
-    out.parent.mkdir(exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, restval="")
-        writer.writeheader()
-        writer.writerows({**r, "input_order": input_order_of(r)} for r in rows)
+    write_rows(rows, out)
     print(text)
     out.with_suffix(".md").write_text((f"{title}\n\n" if title else "") + f"{text}\n")
 
@@ -188,22 +176,6 @@ def table(rows: list[dict], fields: list[str] = FIELDS[:6]) -> list[str]:
     return ["| " + " | ".join(fields) + " |", "| " + " | ".join(align.get(k, "---:") for k in fields) + " |"] + [
         "| " + " | ".join(f"{r[k]:.4f}" if isinstance(r[k], float) and k in ("nDCG@10", "MRR@10") else str(r.get(k, ""))
                           for k in fields) + " |" for r in rows]
-
-
-def merge_rows(rows: list[dict], out: Path) -> list[dict]:
-    """`out`'s rows with `rows` merged in: a row of the same (collection, split, method, teacher, input order, declared)
-    is replaced where it stood, the others added at the end. A row from before the input-order column was measured in
-    the first stage's order."""
-    def key(x: dict) -> tuple:
-        return (x["collection"], x["split"], x["method"], x.get("teacher") or "", input_order_of(x),
-                x.get("order_declared") or "")
-
-    new = {key(x): x for x in rows}
-    merged = []
-    if out.is_file():
-        with out.open() as f:
-            merged = [new.get(key(x), {**x, "input_order": input_order_of(x)}) for x in csv.DictReader(f)]
-    return merged + [x for x in rows if x not in merged]
 
 
 def merge_section(out: Path, marker: str, section: list[str]) -> str:

@@ -49,6 +49,7 @@ from hllm.data.splits import split_by_hash
 from hllm.eval.blend import BLENDED, Blend, blended
 from hllm.eval.evaluation import first_stage_order
 from hllm.eval.metrics import kendall_tau, ndcg10_per_list, share_kept, top10_by_query
+from hllm.eval.results_table import merge_rows, write_rows
 from hllm.eval.runfile import relevance_threshold
 from hllm.job.config import recipe_config, start_recipe
 from hllm.model.backbones import ModelConfig, file_sha256
@@ -775,9 +776,6 @@ def run(cfg: RealTextConfig) -> dict[str, Any]:
 
 
 # ---- a report per first stage (teacher_collection read over several) ----------------------------------------------
-CSV_HEADER = ["collection", "queries", "split", "method", "nDCG@10", "MRR@10", "teacher", "tau_to_teacher", "share_kept", "share_kept_ci95"]
-
-
 def shown(cfg: RealTextConfig, trial: str) -> str:
     """A trial as a one-teacher report names it: its variant's name alone."""
     blend = BLENDED if trial.endswith(BLENDED) else ""
@@ -795,27 +793,23 @@ def stage_rows(cfg: RealTextConfig, report: dict[str, Any], stage: str) -> list[
 
 
 def write_stage_rows(cfg: RealTextConfig, report: dict[str, Any], path: Path) -> None:
-    """One row per (first stage, row) under split `stage-<stage>` (and `stage-cross-year`), replacing the rows of the
-    same collection, split and name in `path` (another config's rows of the same collection stay)."""
-    import csv
-
+    """One row per (first stage, row) under split `stage-<stage>` (and `stage-cross-year`) into the results table
+    `path`, replacing the rows of the same collection, split and name (another config's rows of the same collection stay)."""
     teacher = cfg.teachers[0].name
     rows, collection = [], report["collection"]
     for stage in report["by_stage"]:
         for name, row in stage_rows(cfg, report, stage):
             share = row.get("share_kept") or report["by_stage"][stage]["share_kept"].get(name)
-            rows.append([collection, report["by_stage"][stage]["queries"], f"stage-{stage}", name, f"{row['nDCG@10']:.4f}",
-                         f"{row['MRR@10']:.4f}", teacher, f"{row[f'tau_to_{teacher}']:.4f}",
-                         f"{share['share']:.4f}" if share else "", f"{share['ci_low']:.4f}..{share['ci_high']:.4f}" if share else ""])
+            rows.append({"collection": collection, "queries": report["by_stage"][stage]["queries"], "split": f"stage-{stage}",
+                         "method": name, "nDCG@10": f"{row['nDCG@10']:.4f}", "MRR@10": f"{row['MRR@10']:.4f}", "teacher": teacher,
+                         "tau_to_teacher": f"{row[f'tau_to_{teacher}']:.4f}", "share_kept": f"{share['share']:.4f}" if share else "",
+                         "share_kept_ci95": f"{share['ci_low']:.4f}..{share['ci_high']:.4f}" if share else ""})
     for fit in report["cross_year"]:
         for other, test in fit["tests"].items():
             for name, m in [("first_stage", test["methods"]["first_stage"]), *test["trials"].items()]:
-                rows.append([other, test["queries"], "stage-cross-year", name, f"{m['nDCG@10']:.4f}", f"{m['MRR@10']:.4f}",
-                             "", "", "", ""])
-    new = {(r[0], r[2], r[3]) for r in rows}
-    kept = [r for r in csv.reader(path.open()) if r and (r[0], r[2], r[3]) not in new] if path.exists() else [CSV_HEADER]
-    with path.open("w", newline="") as fh:
-        csv.writer(fh).writerows(kept + rows)
+                rows.append({"collection": other, "queries": test["queries"], "split": "stage-cross-year", "method": name,
+                             "nDCG@10": f"{m['nDCG@10']:.4f}", "MRR@10": f"{m['MRR@10']:.4f}"})
+    write_rows(merge_rows(rows, path), path)
 
 
 def stage_markdown(cfg: RealTextConfig, r: dict[str, Any]) -> str:
