@@ -888,18 +888,22 @@ def guard_note(row: dict[str, Any]) -> str:
 
 
 def summary_lines(cfg: RealTextConfig, report: dict[str, Any]) -> list[str]:
-    """The report's headline: each method's teacher-folds figures and share kept, cross-year, transfer, calibration."""
+    """The report's headline: each method's teacher-folds figures and share kept (with no methods: each trial's), cross-year,
+    transfer, calibration."""
     lines, folds = [], report["teacher_folds"]
     if folds:
-        for name in ["first_stage"] + [method_key("teacher", t.name) for t in cfg.teachers] + list(folds["share_kept"]):
-            row, share = folds["table"][name], folds["share_kept"].get(name)
+        shown_rows = list(folds["share_kept"]) if cfg.methods else [k for k in folds["table"] if k.startswith("trial:")]
+        for name in ["first_stage"] + [method_key("teacher", t.name) for t in cfg.teachers] + shown_rows:
+            row = folds["table"][name]
+            share = folds["share_kept"].get(name) or row.get("share_kept")
             lines.append(f"teacher-folds {name} ({folds['queries']} queries): nDCG@10 {row['nDCG@10']:.4f}"
                          + "".join(f", tau to {t.name} {row['tau_to_' + t.name]:.3f}" for t in cfg.teachers)
                          + (f"; share of the teacher's gain kept {share['share']:.2f} [{share['ci_low']:.2f}, {share['ci_high']:.2f}]"
                             if share else ""))
     for fit in report["cross_year"]:
         for collection, test in fit["tests"].items():
-            for name, m in test["methods"].items():
+            shown_rows = test["methods"] if cfg.methods else {"first_stage": test["methods"]["first_stage"], **test["trials"]}
+            for name, m in shown_rows.items():
                 trial = fit["chosen"].get(name)
                 lines.append(f"cross-year {' + '.join(fit['trained_on'])} -> {collection} ({test['queries']} queries) {name}"
                              + (f" ({trial})" if trial else "") + f": nDCG@10 {m['nDCG@10']:.4f}"

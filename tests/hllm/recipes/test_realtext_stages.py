@@ -14,7 +14,7 @@ import pytest
 from hllm.config import load_config, to_dict
 from hllm.data.readers import read_qrels
 from hllm.model.ranker import SinglePassRanker
-from hllm.recipes.realtext import FOLD_SALT, RealTextConfig, run
+from hllm.recipes.realtext import FOLD_SALT, RealTextConfig, run, summary_lines
 from hllm.train.head_fit import query_folds
 from hllm.train.probes import VariantFitter, load_queries
 
@@ -107,6 +107,9 @@ def test_the_recipe_runs_over_several_first_stages_end_to_end_and_resumes_from_i
     test = x["tests"]["other"]
     assert test["queries"] == 3 and 0.0 <= test["trials"]["lora@teach"]["nDCG@10"] <= 1.0
     assert test["trials"]["lora@teach+first-stage"]["first_stage_weight"] in (0.0, 1.0, float("inf"))
+    summary = summary_lines(cfg, report)  # no methods: the console names each trial, on the folds and cross-year
+    assert any(line.startswith("teacher-folds trial:lora@teach+first-stage (8 queries): nDCG@10 ") for line in summary)
+    assert any(line.startswith("cross-year data -> other (3 queries) lora@teach: nDCG@10 ") for line in summary)
     with csv_path.open() as f:  # the results table's columns (hllm.eval.results_table.FIELDS), the other rows kept
         rows = {(r["collection"], r["split"], r["method"]): r for r in csv.DictReader(f)}
     assert rows["x", "teacher-folds", "kept"]["nDCG@10"] == "0.2" and rows["data", "stage-bm25", "lora"]["nDCG@10"] != "0.1"  # its own row replaced
