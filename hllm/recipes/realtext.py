@@ -818,7 +818,8 @@ def stage_markdown(cfg: RealTextConfig, r: dict[str, Any]) -> str:
     tau = f"tau_to_{teacher}"
     stages = r["by_stage"]
     queries = stages[cfg.stage()]["queries"]
-    lines = [f"# {r['collection']}: {queries} queries x {len(stages)} first stages, {cfg.ranker.model.preset}", "",
+    over = f"{len(stages)} first stages" if len(stages) > 1 else f"{next(iter(stages))}'s lists"
+    lines = [f"# {r['collection']}: {queries} queries x {over}, {cfg.ranker.model.preset}", "",
              f"nDCG@10 means over the {queries} queries (each tested once: {cfg.folds} teacher-folds by query, a query's lists "
              f"from every first stage held out together); teacher: {teacher}; tau: Kendall's tau to the teacher's order; "
              f"`+first-stage`: blended with the first stage, the weight chosen per fold and first stage on the other folds' lists.", ""]
@@ -876,7 +877,8 @@ def stage_markdown(cfg: RealTextConfig, r: dict[str, Any]) -> str:
             lines.append(f"\n{shown(cfg, name)}: training loss (mean over folds) {np.mean([c[:5] for c in curves]):.4f} over its first 5 steps, "
                          f"{np.mean([c[-5:] for c in curves]):.4f} over its last 5 ({len(curves[0])} steps a fold, {per_step:.1f} s a step).")
     lines += ["", "Seconds a fold: " + "; ".join(f"{shown(cfg, n)} {np.mean([f['seconds'] for f in folds]):.0f}" for n, folds in r["fits"].items())
-              + f"; {r['seconds']:.0f} s in all.", ""]
+              + f"; {sum(f['seconds'] for folds in r['fits'].values() for f in folds):.0f} s of folds in all"
+              + f" ({r['seconds']:.0f} s this run: a finished fold is read back, not fitted again).", ""]
     return "\n".join(lines) + "\n"
 
 
