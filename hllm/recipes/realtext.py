@@ -794,7 +794,8 @@ def stage_rows(cfg: RealTextConfig, report: dict[str, Any], stage: str) -> list[
 
 def write_stage_rows(cfg: RealTextConfig, report: dict[str, Any], path: Path) -> None:
     """One row per (first stage, row) under split `stage-<stage>` (and `stage-cross-year`) into the results table
-    `path`, replacing the rows of the same collection, split and name (another config's rows of the same collection stay)."""
+    `path`, replacing the rows of the same collection, split, name and teacher (`merge_rows`; another config's rows of the
+    same collection stay)."""
     teacher = cfg.teachers[0].name
     rows, collection = [], report["collection"]
     for stage in report["by_stage"]:
