@@ -46,7 +46,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:  # a fresh store: every slate is ranked
             run_cfg = dataclasses.replace(cfg, output_dir=out, cluster=dataclasses.replace(cfg.cluster, teacher_actors=actors))
             stats = teacher_rankings_stage(run_cfg, teacher_model, "bench", slates, teacher_gen.ray_ranker(run_cfg, teacher_model)).stats
-        rows.append((actors, stats["slates_per_s"], stats["output_tokens_per_s"], stats["seconds"]))
+        rows.append((actors, stats.slates_per_s, stats.output_tokens_per_s, stats.seconds))
     model = teacher_model.path or teacher_model.preset
     lines = [f"Teacher `{model}`, N = {max(len(s.candidates) for s in slates)}, batches of {cfg.teacher.generation.batch_size} "
              f"slates (left padding, KV cache), {cfg.cluster.teacher_cpus_per_actor} CPU per actor, actor start-up and model "

@@ -21,6 +21,7 @@ driver reads back counts, never rows.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -53,11 +54,26 @@ OUT_SCHEMA = pa.schema([*store.SLATES_SCHEMA, pa.field("split", pa.string())])
 
 
 @dataclass
+class DataStats:
+    """What the data stage counted (its `stage.json` keeps it)."""
+
+    slates: dict[str, int]  # split -> slates made
+    id_sums: dict[str, int]  # split -> the multiset digest of its slate ids (store.id_sum: what the teacher checks against)
+    rows_read: dict[str, int]  # source (run, qrels, corpus, queries) -> rows
+    bad: dict[str, int]  # bad input: reason -> rows
+    bad_examples: dict[str, str]  # reason -> an example
+    tasks_by_node: dict[str, Any]  # the Ray tasks of each step, by node
+    seconds: float
+    slates_per_s: float
+    driver_peak_mb: float
+
+
+@dataclass
 class SlateShards:
     """A finished data stage: where each split's slate shards are, and what it counted."""
 
     directory: Path
-    stats: dict[str, Any]  # slates per split, rows read per source, bad input per reason, seconds, slates/s, driver MB
+    stats: DataStats
 
     def split_dir(self, split: str) -> Path:
         return self.directory / f"split={split}"
@@ -232,7 +248,7 @@ def run(cfg: PipelineConfig, say_reused: bool = True) -> SlateShards:
     if stage_done(directory, key):
         if say_reused:
             log.info("data: reusing %s", directory)
-        return SlateShards(directory, stage_info(directory)["stats"])
+        return SlateShards(directory, DataStats(**stage_info(directory)["stats"]))
     from pipelines.common import init_ray  # the driver's: the stage's tasks import this module without the job's config
 
     init_ray(cfg.cluster)
@@ -255,13 +271,12 @@ def run(cfg: PipelineConfig, say_reused: bool = True) -> SlateShards:
     if directory.exists():
         shutil.rmtree(directory)  # another run's leftovers: the same key, so the same slates
     tmp.rename(directory)
-    stats = {"slates": slates, "id_sums": id_sums, "rows_read": rows, "bad": bad.counts, "bad_examples": bad.examples,
-             "tasks_by_node": ray.get(ledger.tasks_by_node.remote()),
-             "seconds": round(seconds, 2), "slates_per_s": round(sum(slates.values()) / max(seconds, 1e-9), 1),
-             "driver_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-    mark_done(directory, key, stats=stats)
+    stats = DataStats(slates, id_sums, rows, bad.counts, bad.examples, ray.get(ledger.tasks_by_node.remote()), round(seconds, 2),
+                      round(sum(slates.values()) / max(seconds, 1e-9), 1),
+                      round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    mark_done(directory, key, stats=dataclasses.asdict(stats))
     log.info("data: %s slates in %.1fs (%.0f slates/s), bad input %s, driver peak %.0f MB -> %s", slates, seconds,
-             stats["slates_per_s"], bad.counts or "none", stats["driver_peak_mb"], directory)
+             stats.slates_per_s, bad.counts or "none", stats.driver_peak_mb, directory)
     return SlateShards(directory, stats)
 
 
@@ -279,12 +294,12 @@ def run_logged(cfg: PipelineConfig, parent_run_id: str | None = None) -> SlateSh
     with mlflow_run(cfg, "data", parent_run_id):
         result = run(cfg)
         s = result.stats
-        log_metrics({k: s[k] for k in ("seconds", "slates_per_s", "driver_peak_mb", "slates", "rows_read", "bad")},
-                    prefix="data.")
-        if s["bad_examples"]:
+        log_metrics({"seconds": s.seconds, "slates_per_s": s.slates_per_s, "driver_peak_mb": s.driver_peak_mb, "slates": s.slates,
+                     "rows_read": s.rows_read, "bad": s.bad}, prefix="data.")
+        if s.bad_examples:
             import mlflow
 
-            mlflow.set_tag("data.bad_examples", json.dumps(s["bad_examples"])[:5000])
+            mlflow.set_tag("data.bad_examples", json.dumps(s.bad_examples)[:5000])
     return result
 
 
@@ -294,7 +309,7 @@ def main(argv: list[str] | None = None) -> SlateShards:
     cfg, _ = parse_job("The data stage: slates from a collection, streamed by Ray Data", argv)
     result = run_logged(cfg)
     s = result.stats
-    print(f"data: {result.directory} | slates {s['slates']} | {s['slates_per_s']} slates/s | bad input {s['bad'] or 'none'}")
+    print(f"data: {result.directory} | slates {s.slates} | {s.slates_per_s} slates/s | bad input {s.bad or 'none'}")
     return result
 
 

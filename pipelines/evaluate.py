@@ -74,7 +74,7 @@ def ray_scorer(cfg: PipelineConfig, teacher_model: ModelConfig) -> ScoreTest:
             num_gpus=1 if gpu else 0, num_cpus=cfg.cluster.teacher_cpus_per_actor,
             **({"scheduling_strategy": "SPREAD"} if cfg.cluster.spread else {}),
         )
-        progress, total = Progress("evaluation", test.stats["slates"], log), None
+        progress, total = Progress("evaluation", test.stats.slates, log), None
         for rows in sums.iter_batches(batch_size=None, batch_format="pyarrow"):
             for row in rows.to_pylist():
                 part: EvalSums = pickle.loads(row["sums"])

@@ -136,7 +136,7 @@ def split_sources(cfg: PipelineConfig, parent_run_id: str | None = None) -> dict
     """The data stage (`pipelines/data.py`: Ray Data, reused when done; its MLflow run under `parent_run_id`)
     -> each split's slate shards."""
     shards = data_stage.run_logged(cfg, parent_run_id)
-    return {name: store.SplitSlates(name, shards.stats["slates"][name], shards.stats["id_sums"][name],
+    return {name: store.SplitSlates(name, shards.stats.slates[name], shards.stats.id_sums[name],
                                     folder=shards.split_dir(name)) for name in SPLITS}
 
 
@@ -146,9 +146,9 @@ def file_coverage(cfg: PipelineConfig, rankings: dict[str, Rankings]) -> dict[st
     from hllm.teacher.external import FileTeacher
 
     queries = FileTeacher(cfg.teacher.rankings_format, cfg.teacher.rankings).queries()
-    ranked = sum(r.stats["coverage"]["ranked"] for r in rankings.values())
+    ranked = sum(r.stats.coverage["ranked"] for r in rankings.values())
     out = {"queries": queries, "other_queries": queries - ranked,
-           **{k: sum(r.stats["coverage"][k] for r in rankings.values()) for k in ("uncovered", "missing_ids", "outside_slate",
+           **{k: sum(r.stats.coverage[k] for r in rankings.values()) for k in ("uncovered", "missing_ids", "outside_slate",
                                                                                     "repeated_ids")}}
     if out["other_queries"] or out["uncovered"]:
         log.warning("teacher rankings file %s: %d of its %d queries are in no split; %d slates it does not rank "
@@ -171,7 +171,7 @@ def run(cfg: PipelineConfig, parent_run_id: str | None = None, splits: tuple[str
         rankings = {}
         for name in splits:
             rankings[name] = r = teacher_rankings_stage(cfg, teacher_model, name, sources[name], ray_ranker(cfg, teacher_model))
-            log_metrics({**r.stats, "actors": cfg.cluster.teacher_actors,
+            log_metrics({**r.stats.to_json(), "actors": cfg.cluster.teacher_actors,
                          "driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
                         prefix=f"teacher_gen.{name}.")
         if cfg.teacher.rankings is not None and set(splits) == set(SPLITS):
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     _, rankings = run(cfg)
     for name, r in rankings.items():
         s = r.stats
-        print(f"teacher rankings {name}: {r.directory} | {s['slates']} slates, resumed {s['resumed_from']} done | "
-              f"validity {s['validity']:.3f} | {s['slates_per_s']:.2f} slates/s, {s['output_tokens_per_s']:.0f} output tokens/s")
+        print(f"teacher rankings {name}: {r.directory} | {s.slates} slates, resumed {s.resumed_from} done | "
+              f"validity {s.validity:.3f} | {s.slates_per_s:.2f} slates/s, {s.output_tokens_per_s:.0f} output tokens/s")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ def main(out: str, overrides: list[str]) -> None:
             train_nodes = sorted({p.read_text() for p in Path(d).glob("node.rank*")})
         import ray
         result_doc = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-                      "data_nodes": sorted(data.run(cfg).stats["tasks_by_node"]["slates"]),  # reused: its record
-                      "teacher_nodes": sorted(rankings["train"].stats["nodes"]),  # from the store's footers
+                      "data_nodes": sorted(data.run(cfg).stats.tasks_by_node["slates"]),  # reused: its record
+                      "teacher_nodes": sorted(rankings["train"].stats.nodes),  # from the store's footers
                       "train_nodes": train_nodes, "steps": result.metrics["step"]}
         # To a file, not stdout: Ray workers' log lines reach this process's stdout in any order.
         (Path(out) / "result.json").write_text(json.dumps(result_doc))

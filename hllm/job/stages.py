@@ -214,6 +214,51 @@ def rank_in_process(teacher: Teacher, shard_slates: int = 64, max_failed_share: 
 
 
 @dataclass
+class RankingStats:
+    """A split's teacher rankings in figures: totals over the store's footers (every slate's), and what this run
+    generated (slates ranked now, throughput)."""
+
+    slates: int
+    counts: ParseCounts  # how the answers parsed
+    same_as_input: float  # share of the rankings identical to the input (first-stage) order
+    tau_to_input: float  # their mean Kendall tau to it
+    rankings: int  # slates with a ranking
+    nodes: dict[str, int]  # slates ranked per node
+    generated_now: int = 0
+    resumed_from: int = 0  # slates already in the store when this run started
+    seconds: float = 0.0
+    slates_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    coverage: dict[str, Any] | None = None  # a rankings file's cover of the split (hllm.teacher.external.Coverage)
+    endpoint: dict[str, Any] | None = None  # a served teacher's figures (hllm.teacher.endpoint.endpoint_figures)
+    ranker: dict[str, Any] = field(default_factory=dict)  # what the ranking function reported (Ray: worker peak MB, batches by node)
+
+    @classmethod
+    def from_summary(cls, summary: store.Summary, **run: Any) -> RankingStats:
+        """A store's summary (its footers added up) and this run's figures (`run`: generated_now, seconds, ...)."""
+        ranked = summary.get("ranked", 0)
+        return cls(summary["slates"], ParseCounts(**summary.get("counts", {})),
+                   summary["same_as_input"] / ranked if ranked else float("nan"),
+                   summary["tau_to_input_sum"] / ranked if ranked else float("nan"), ranked, summary.get("nodes", {}),
+                   coverage=summary.get("coverage"), **run)
+
+    @property
+    def validity(self) -> float:
+        return self.counts.validity
+
+    def to_json(self) -> dict[str, Any]:
+        """As `stage.json` keeps it and MLflow logs it: the ranker's own figures at the top level."""
+        out = {"slates": self.slates, "counts": dataclasses.asdict(self.counts), "validity": self.validity,
+               "same_as_input": self.same_as_input, "tau_to_input": self.tau_to_input, "rankings": self.rankings,
+               "nodes": self.nodes, **({"coverage": self.coverage} if self.coverage is not None else {}),
+               "generated_now": self.generated_now, "resumed_from": self.resumed_from, "seconds": self.seconds,
+               "slates_per_s": self.slates_per_s, "output_tokens_per_s": self.output_tokens_per_s,
+               "prompt_tokens_per_s": self.prompt_tokens_per_s, **self.ranker}
+        return out | ({"endpoint": self.endpoint} if self.endpoint is not None else {})
+
+
+@dataclass
 class Rankings:
     """A split's teacher rankings, complete: one per slate. The figures come from the store's footers;
     the rows are read only when asked for (`items`: in the split's order where the split was held in
@@ -222,7 +267,7 @@ class Rankings:
     split: str
     directory: Path
     key: str  # the generation fingerprint
-    stats: dict[str, Any]  # totals over the split, and this run's generation: slates ranked now, throughput
+    stats: RankingStats
     order: list[str] | None = None  # slate ids in the split's order, where known
 
     @functools.cached_property
@@ -243,17 +288,7 @@ class Rankings:
 
     @property
     def counts(self) -> ParseCounts:
-        return ParseCounts(**self.stats["counts"])
-
-
-def totals(summary: store.Summary) -> dict[str, Any]:
-    """A store's summary -> the split's figures: parse counts and validity, agreement with the input order."""
-    counts = ParseCounts(**summary.get("counts", {}))
-    ranked = summary.get("ranked", 0)
-    return {"slates": summary["slates"], "counts": dataclasses.asdict(counts), "validity": counts.validity,
-            "same_as_input": summary["same_as_input"] / ranked if ranked else float("nan"),
-            "tau_to_input": summary["tau_to_input_sum"] / ranked if ranked else float("nan"), "rankings": ranked,
-            "nodes": summary.get("nodes", {}), **({"coverage": summary["coverage"]} if "coverage" in summary else {})}
+        return self.stats.counts
 
 
 def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: str,
@@ -296,23 +331,23 @@ def teacher_rankings_stage(cfg: JobConfig, teacher_model: ModelConfig, split: st
     if after.summary.get("failed"):  # within the budget while ranking; a store made under a looser one is refused here
         budget = FailureBudget(split, source.count, cfg.teacher.max_failed_share)
         budget.add_counts(after.summary.get("endpoint", {}).get("failures", {"unknown": after.summary["failed"]}), {})
-    stats = {**totals(after.summary), "generated_now": generated, "resumed_from": before.slates, "seconds": elapsed,
-             "slates_per_s": generated / elapsed if generated else 0.0,
-             "output_tokens_per_s": fresh["output_tokens"] / elapsed if generated else 0.0,
-             "prompt_tokens_per_s": fresh["prompt_tokens"] / elapsed if generated else 0.0, **(extra or {})}
-    if "endpoint" in after.summary:
-        stats["endpoint"] = endpoint_figures(after.summary["endpoint"], elapsed if generated else None, generated,
-                                             cfg.teacher.endpoint)
+    stats = RankingStats.from_summary(
+        after.summary, generated_now=generated, resumed_from=before.slates, seconds=elapsed,
+        slates_per_s=generated / elapsed if generated else 0.0,
+        output_tokens_per_s=fresh["output_tokens"] / elapsed if generated else 0.0,
+        prompt_tokens_per_s=fresh["prompt_tokens"] / elapsed if generated else 0.0, ranker=extra or {},
+        endpoint=endpoint_figures(after.summary["endpoint"], elapsed if generated else None, generated, cfg.teacher.endpoint)
+        if "endpoint" in after.summary else None)
     rankings = Rankings(split, directory, key, stats, [s.slate_id for s in source.slates] if source.slates is not None else None)
     if generated or not stage_done(directory, key):
         log.info("teacher rankings %s: %d slates (%d ranked now in %.1fs), parse %s, same as input order %.3f, "
                  "Kendall tau to input order %.3f", split, source.count, generated, elapsed, rankings.counts,
-                 stats["same_as_input"], stats["tau_to_input"])
-        if "endpoint" in stats:
-            log.info("teacher endpoint %s: %s", split, endpoint_line(stats["endpoint"]))
-        if stats.get("coverage", {}).get("uncovered") or stats.get("coverage", {}).get("missing_ids"):
-            log.warning("teacher rankings %s from %s: %s", split, cfg.teacher.rankings, stats["coverage"])
-        mark_done(directory, key, **stats)
+                 stats.same_as_input, stats.tau_to_input)
+        if stats.endpoint is not None:
+            log.info("teacher endpoint %s: %s", split, endpoint_line(stats.endpoint))
+        if stats.coverage and (stats.coverage.get("uncovered") or stats.coverage.get("missing_ids")):
+            log.warning("teacher rankings %s from %s: %s", split, cfg.teacher.rankings, stats.coverage)
+        mark_done(directory, key, **stats.to_json())
     return rankings
 
 
@@ -380,11 +415,11 @@ def check_teacher(train: Rankings, student: StudentStageConfig, bootstrapped: bo
     problems = []
     if validity < student.min_teacher_validity:
         problems.append(f"validity {validity:.3f} < student.min_teacher_validity {student.min_teacher_validity}")
-    if copy["rankings"] and copy["same_as_input"] > student.max_teacher_same_as_input:
-        problems.append(f"{copy['same_as_input']:.1%} of its answers repeat the input (first-stage) order "
+    if copy.rankings and copy.same_as_input > student.max_teacher_same_as_input:
+        problems.append(f"{copy.same_as_input:.1%} of its answers repeat the input (first-stage) order "
                         f"> student.max_teacher_same_as_input {student.max_teacher_same_as_input}")
-    if copy["rankings"] and copy["tau_to_input"] > student.max_teacher_tau_to_input:
-        problems.append(f"mean Kendall tau to the input order {copy['tau_to_input']:.3f} "
+    if copy.rankings and copy.tau_to_input > student.max_teacher_tau_to_input:
+        problems.append(f"mean Kendall tau to the input order {copy.tau_to_input:.3f} "
                         f"> student.max_teacher_tau_to_input {student.max_teacher_tau_to_input}")
     if problems:
         raise DegenerateTeacher(
@@ -455,7 +490,7 @@ def job_model_card(cfg: JobConfig, rcfg: RankerConfig, train: Rankings, done: St
         base_model=(f"{t.model.preset} (the teacher's weights)" if cfg.student.init_from_teacher
                     else f"{m.preset}{' ' + m.path if m.path else ''}"),
         teacher=teacher,
-        training_data={"source": data.source, "path": data.path, "top_n": data.top_n, "train_slates": train.stats["slates"]},
+        training_data={"source": data.source, "path": data.path, "top_n": data.top_n, "train_slates": train.stats.slates},
         vocabulary=("synthetic word-level (the embedded catalogue's words only)" if t.model.preset in ("tiny", "embedded")
                     else "the base model's"),
         positions=rcfg.head.positions,
@@ -546,7 +581,7 @@ elsewhere (e.g. an actor pool); -> the merged sums."""
 
 def sums_in_process(reranker: Reranker, teacher: Teacher, test: Rankings, cfg: EvalConfig) -> EvalSums:
     """Every shard of the test rankings in this process, shard after shard."""
-    progress, total = Progress("evaluation", test.stats["slates"], log), None
+    progress, total = Progress("evaluation", test.stats.slates, log), None
     for path in store.shards(test.directory):
         sums = shard_sums(reranker, teacher, store.shard_rows(path), cfg)
         total = sums if total is None else total.merge(sums)
@@ -589,8 +624,8 @@ def evaluate_stage(cfg: JobConfig, teacher: Teacher, student_dir: Path, test: Ra
     holds the split; the latency profile times the first `eval.latency_requests` slates here."""
     reranker = Reranker.load(student_dir, device=str(device), merge_lora=True, decoder=cfg.eval.main_decoder)
     sums = score(student_dir, test) if score is not None else sums_in_process(reranker, teacher, test, cfg.eval)
-    if sums.slates != test.stats["slates"]:
-        raise RuntimeError(f"evaluation: {sums.slates} slates evaluated of the {test.stats['slates']} test slates")
+    if sums.slates != test.stats.slates:
+        raise RuntimeError(f"evaluation: {sums.slates} slates evaluated of the {test.stats.slates} test slates")
     timed = store.head(test.directory, cfg.eval.latency_requests)
     # a file's rankings: no AR teacher to time; a served one's latency is in the rankings stage's figures (timed
     # here, its answers would come from the answer cache)

@@ -893,9 +893,9 @@ def guard_note(row: dict[str, Any]) -> str:
 def summary_lines(cfg: RealTextConfig, report: dict[str, Any]) -> list[str]:
     """The report's headline: each method's teacher-folds figures and share kept (with no methods: each trial's), cross-year,
     transfer, calibration."""
-    lines, folds = [], report["teacher_folds"]
+    lines, folds, by_method = [], report["teacher_folds"], bool(methods(cfg))
     if folds:
-        shown_rows = list(folds["share_kept"]) if cfg.methods else [k for k in folds["table"] if k.startswith("trial:")]
+        shown_rows = list(folds["share_kept"]) if by_method else [k for k in folds["table"] if k.startswith("trial:")]
         for name in ["first_stage"] + [method_key("teacher", t.name) for t in cfg.teachers] + shown_rows:
             row = folds["table"][name]
             share = folds["share_kept"].get(name) or row.get("share_kept")
@@ -905,7 +905,7 @@ def summary_lines(cfg: RealTextConfig, report: dict[str, Any]) -> list[str]:
                             if share else ""))
     for fit in report["cross_year"]:
         for collection, test in fit["tests"].items():
-            shown_rows = test["methods"] if cfg.methods else {"first_stage": test["methods"]["first_stage"], **test["trials"]}
+            shown_rows = test["methods"] if by_method else {"first_stage": test["methods"]["first_stage"], **test["trials"]}
             for name, m in shown_rows.items():
                 trial = fit["chosen"].get(name)
                 lines.append(f"cross-year {' + '.join(fit['trained_on'])} -> {collection} ({test['queries']} queries) {name}"

@@ -43,10 +43,10 @@ def test_streamed_slates_equal_the_one_process_reader_and_are_reused(ray_local, 
     local = load_splits(load_config(PipelineConfig, None, ["data.source=beir", f"data.path={root}", "data.top_n=4"]).data)
     for split in SPLITS:
         assert _read(result, split) == sorted(local[split], key=lambda s: s.slate_id)
-        assert result.stats["id_sums"][split] == store.id_sum(s.slate_id for s in local[split])  # what the teacher checks against
-    assert set(result.stats["tasks_by_node"]) == {"run", "qrels", "corpus", "queries", "slates"}
-    assert sum(result.stats["slates"].values()) == 12 and result.stats["bad"] == {}
-    assert result.stats["rows_read"] == {"run": 72, "qrels": 24, "corpus": 40, "queries": 12}
+        assert result.stats.id_sums[split] == store.id_sum(s.slate_id for s in local[split])  # what the teacher checks against
+    assert set(result.stats.tasks_by_node) == {"run", "qrels", "corpus", "queries", "slates"}
+    assert sum(result.stats.slates.values()) == 12 and result.stats.bad == {}
+    assert result.stats.rows_read == {"run": 72, "qrels": 24, "corpus": 40, "queries": 12}
     assert data.run(cfg).stats == result.stats  # the same data config: the stage is reused
 
 
@@ -57,7 +57,7 @@ def test_bad_input_past_the_budget_stops_the_stage_and_writes_no_slates(ray_loca
         data.run(load_config(PipelineConfig, None, job))
     assert not any((tmp_path / "out" / "slates").glob("*/split=*"))
     result = data.main(job + ["data.max_bad_share=0.05"])  # 2 of 72 rows: within 5%; the entry point, with MLflow
-    assert result.stats["bad"] == {"missing passage": 2} and sum(result.stats["slates"].values()) == 12
+    assert result.stats.bad == {"missing passage": 2} and sum(result.stats.slates.values()) == 12
     import mlflow
 
     (run,) = mlflow.search_runs(experiment_names=["hllm"], output_format="list")

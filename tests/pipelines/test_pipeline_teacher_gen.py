@@ -39,8 +39,8 @@ def test_generation_fans_out_and_writes_one_row_per_slate(ray_local, tmp_path):
     rows = store.read_rankings(train.directory)  # the one reader, typed records back
     assert len(rows) == 48 and len({r.slate.slate_id for r in rows}) == 48
     stats = train.stats
-    assert stats["validity"] == 1.0 and stats["counts"]["ok"] == 48  # constrained decoding
-    assert stats["slates_per_s"] > 0 and stats["output_tokens_per_s"] > 0
+    assert stats.validity == 1.0 and stats.counts.ok == 48  # constrained decoding
+    assert stats.slates_per_s > 0 and stats.output_tokens_per_s > 0
     row = rows[0].ranking
     assert sorted(row.permutation) == list(range(6)) and len(rows[0].slate.candidates) == 6 and rows[0].slate.grades
     assert row.raw_text.count("[") == 6 and row.output_tokens == 12 and row.prompt_tokens > 0 and row.node
@@ -100,11 +100,11 @@ def test_rankings_from_a_file_stream_through_the_actor_pool_into_the_store(ray_l
     gold_run(slates, tmp_path / "teacher.tsv", skip=set(skipped))
     cfg = load_config(PipelineConfig, None, job + [f"output_dir={tmp_path / 'out'}", f"teacher.rankings={tmp_path / 'teacher.tsv'}"])
     _, rankings = teacher_gen.run(cfg)
-    assert {k: r.stats["slates"] for k, r in rankings.items()} == {"train": 48, "val": 2, "test": 2}
-    assert sum(r.stats["coverage"]["uncovered"] for r in rankings.values()) == 3  # one row per slate all the same
+    assert {k: r.stats.slates for k, r in rankings.items()} == {"train": 48, "val": 2, "test": 2}
+    assert sum(r.stats.coverage["uncovered"] for r in rankings.values()) == 3  # one row per slate all the same
     unranked = sorted(i.slate.slate_id for r in rankings.values() for i in r.items if i.ranking.permutation is None)
     assert unranked == skipped
-    assert len(store.shards(rankings["train"].directory)) == 6 and len(rankings["train"].stats["nodes"]) == 1
+    assert len(store.shards(rankings["train"].directory)) == 6 and len(rankings["train"].stats.nodes) == 1
     import mlflow
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
     (run,) = mlflow.search_runs(experiment_names=["hllm"], output_format="list",

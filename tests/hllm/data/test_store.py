@@ -65,9 +65,9 @@ def test_the_rankings_stage_resumes_where_it_stopped(small_splits, tmp_path):
     out = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, ranks_all)
     assert calls[1] == [s.slate_id for s in slates[4:]]  # only what was missing
     assert [i.slate.slate_id for i in out.items] == [s.slate_id for s in slates]  # the split's order
-    assert out.stats["resumed_from"] == 4 and out.stats["generated_now"] == 6 and out.counts.ok == 10
+    assert out.stats.resumed_from == 4 and out.stats.generated_now == 6 and out.counts.ok == 10
     again = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, ranks_all)
-    assert len(calls) == 2 and again.stats["generated_now"] == 0  # complete: nothing ranked again
+    assert len(calls) == 2 and again.stats.generated_now == 0  # complete: nothing ranked again
 
 
 def test_the_split_is_checked_against_the_store_footers_alone(small_splits, tmp_path):
@@ -84,8 +84,8 @@ def test_the_split_is_checked_against_the_store_footers_alone(small_splits, tmp_
     assert [s for b in on_disk.batches(3) for s in b] == slates and store.head(folder, 2) == slates[:2]
     out = teacher_rankings_stage(cfg, cfg.teacher.model, "train", on_disk, 
                                  lambda src, d: {"wrote": store.write_shard(ranked(src.load()), d, ranking_summary(ranked(src.load()))).name})
-    assert out.stats["wrote"].startswith("part-")  # what the ranker returns is kept with the stats
-    assert out.stats["slates"] == 6 and out.stats["counts"]["ok"] == 6 and out.stats["rankings"] == 6
+    assert out.stats.ranker["wrote"].startswith("part-") and out.stats.to_json()["wrote"] == out.stats.ranker["wrote"]  # what the ranker returns is kept with the stats
+    assert out.stats.slates == 6 and out.stats.counts.ok == 6 and out.stats.rankings == 6
     assert sorted(i.slate.slate_id for i in out.items) == sorted(s.slate_id for s in slates)  # read when asked, by id
     ix = store.index(out.directory)  # from the footer alone
     assert (ix.slates, ix.id_sum) == (6, source.id_sum) and ix.summary["output_tokens"] == 6 * 12
@@ -132,8 +132,8 @@ def test_a_teacher_that_copies_its_input_is_stopped_before_distillation(small_sp
     cfg = load_config(JobConfig, None, [f"output_dir={tmp_path}"])
     slates = small_splits["train"][:10]
     train = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, lambda src, d: copies_input(src.slates, d, 8))
-    assert train.stats["same_as_input"] == pytest.approx(0.8)
-    assert train.stats["tau_to_input"] == pytest.approx(0.8 * 1.0 + 0.2 * -1.0)
+    assert train.stats.same_as_input == pytest.approx(0.8)
+    assert train.stats.tau_to_input == pytest.approx(0.8 * 1.0 + 0.2 * -1.0)
     fitted = []
     fit = lambda rcfg, tr, va, out: fitted.append(out) or StudentFit(steps=0, seconds=0.0, final_loss=0.0)
     with pytest.raises(DegenerateTeacher, match=r"80.0% of its answers repeat the input .*max_teacher_same_as_input 0.5"):
@@ -156,6 +156,6 @@ def test_the_tau_threshold_catches_a_teacher_that_only_nudges_the_input(small_sp
         store.write_shard(items, directory)
 
     train = teacher_rankings_stage(cfg, cfg.teacher.model, "train", slates, swaps_last_two)
-    assert train.stats["same_as_input"] == 0.0 and train.stats["tau_to_input"] > 0.9
+    assert train.stats.same_as_input == 0.0 and train.stats.tau_to_input > 0.9
     with pytest.raises(DegenerateTeacher, match="Kendall tau to the input order 0.9"):
         train_student_stage(cfg, cfg.teacher.model, train, train, lambda *a: StudentFit(steps=0, seconds=0.0, final_loss=0.0))

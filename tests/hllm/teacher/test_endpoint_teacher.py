@@ -229,7 +229,7 @@ def test_the_stage_stops_past_the_budget_then_resumes_asking_only_what_failed(te
     kept = sum(len(p.read_text().splitlines()) for p in (tmp_path / "teacher-answers").glob("*.jsonl"))
     assert first <= 3 + 2 and kept == first - 3  # the good slate's windows; the 2nd shard was never asked
     rankings = stage("train", train)  # the rerun: the failed shard again (its good slate from the cache), then the rest
-    fig = rankings.stats["endpoint"]
+    fig = rankings.stats.endpoint
     assert fig["cached"] == kept and len(fault_proxy.posts()) - first == fig["requests"]
     assert fig["requests"] + fig["cached"] == sum(max(1, len(i.ranking.windows)) for i in rankings.items)
     assert fig["failures"]["http_5xx"] == 0 and fig["prompt_tokens"] > 0
@@ -240,7 +240,7 @@ def test_the_stage_stops_past_the_budget_then_resumes_asking_only_what_failed(te
     before = len(fault_proxy.posts())
     again = stage("same-slates", train)  # a second split with the same slates: paid for already
     failed = sum(i.ranking.permutation is None for i in rankings.items)  # not kept: asked again
-    assert len(fault_proxy.posts()) - before == again.stats["endpoint"]["requests"] <= 2 * failed
+    assert len(fault_proxy.posts()) - before == again.stats.endpoint["requests"] <= 2 * failed
     assert [i.ranking.permutation for i in again.items if i.ranking.failure == ""] == \
         [i.ranking.permutation for i in rankings.items if i.ranking.failure == ""]
 
@@ -263,10 +263,10 @@ def test_ray_fans_the_served_teacher_out_and_keeps_the_key_out_of_mlflow(ray_loc
     done = len(fault_proxy.posts())
     _, rankings = teacher_gen.run(cfg)
     train = rankings["train"]
-    assert len(train.items) == 8 and train.stats["endpoint"]["failures"]["http_5xx"] == 0
-    assert train.stats["endpoint"]["cached"] >= 1  # what the stopped run had answered
+    assert len(train.items) == 8 and train.stats.endpoint["failures"]["http_5xx"] == 0
+    assert train.stats.endpoint["cached"] >= 1  # what the stopped run had answered
     # asked again: the two failed slates' windows (their good neighbours came from the cache), then val and test
-    assert len(fault_proxy.posts()) - done == 2 * 2 + sum(rankings[s].stats["endpoint"]["requests"] for s in ("val", "test"))
+    assert len(fault_proxy.posts()) - done == 2 * 2 + sum(rankings[s].stats.endpoint["requests"] for s in ("val", "test"))
     assert {i.ranking.node for i in train.items} != {""}
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = next(r for r in mlflow.search_runs(experiment_names=["hllm"], output_format="list")
