@@ -436,17 +436,12 @@ def teacher_folds(cfg: RealTextConfig, fitter: VariantFitter, queries: list[Cach
     return out
 
 
-def list_ndcg(queries: list[CachedQuery], index: list[int], orders: list[list[int]]) -> np.ndarray:
-    """Per list of `index` its nDCG@10 under `orders` (a query's lists of two stages scored apart: `ndcg10_per_list`)."""
-    return ndcg10_per_list([queries[i].slate for i in index], orders)
-
-
 def blend_folds(cfg: RealTextConfig, queries: list[CachedQuery], folds: TeacherFolds) -> None:
     """Every trial's out-of-fold matrices blended with the first stage (hllm.eval.blend), the weight of each fold's lists
     of a stage chosen on the other folds' lists of that stage (their judgments; the fold's own are never read)."""
     for name, mats in folds.trial_matrices.items():
         have = [i for i, m in enumerate(mats) if m is not None]
-        blend = Blend([mats[i] for i in have], cfg.first_stage_weights, lambda idx, o: list_ndcg(queries, [have[r] for r in idx], o))
+        blend = Blend([mats[i] for i in have], cfg.first_stage_weights, lambda idx, o: ndcg10_per_list([queries[have[r]].slate for r in idx], o))
         row_of = {i: r for r, i in enumerate(have)}
         folds.blends[name], folds.blend_lists[name] = blend, have
         folds.blended[name] = [None] * len(queries)
